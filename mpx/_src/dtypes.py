@@ -1,0 +1,80 @@
+"""Dtype names that mpx understands, and how they are parsed.
+
+``half`` always means IEEE float16, the format the paper trains in, on every
+platform. jmp maps ``half`` to bfloat16 on TPU; mpx does not, so that one
+config string means the same numerics everywhere. Write ``bf16`` for bfloat16.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import errors
+
+DTypeLike = Any
+
+_ALIASES: dict[str, tuple[str, ...]] = {
+    "float32": ("float32", "f32", "full", "single", "fp32"),
+    "bfloat16": ("bfloat16", "bf16"),
+    "float16": ("float16", "f16", "half", "fp16"),
+    "float64": ("float64", "f64", "double", "fp64"),
+}
+_BY_NAME: dict[str, np.dtype] = {
+    alias: np.dtype(getattr(jnp, canonical))
+    for canonical, aliases in _ALIASES.items()
+    for alias in aliases
+}
+VALID_NAMES: tuple[str, ...] = tuple(_BY_NAME)
+_SUPPORTED: frozenset[np.dtype] = frozenset(_BY_NAME.values())
+
+
+def parse_dtype(value: DTypeLike) -> np.dtype:
+  """Turns a dtype name or dtype-like object into a NumPy dtype.
+
+  Args:
+    value: a name such as ``"bf16"``, ``"float32"`` or ``"half"`` (case and
+      surrounding whitespace are ignored), or a dtype-like object such as
+      ``jnp.bfloat16`` or ``np.dtype("float16")``.
+
+  Returns:
+    The ``np.dtype``; one of float32, bfloat16, float16 or float64.
+
+  Raises:
+    PolicyError: the name is unknown or the dtype is not a supported floating
+      dtype; the message lists the valid names.
+  """
+  if isinstance(value, str):
+    key = value.strip().lower()
+    if key in _BY_NAME:
+      return _BY_NAME[key]
+    raise errors.PolicyError(
+        f"Unknown dtype name {value!r}. Valid names are: {', '.join(VALID_NAMES)} "
+        "('half' is float16 on every platform; write 'bf16' for bfloat16)."
+    )
+  try:
+    dtype = np.dtype(value)
+  except TypeError:
+    dtype = None
+  if dtype is None or dtype not in _SUPPORTED:
+    raise errors.PolicyError(
+        f"{value!r} is not a dtype a precision policy can use. Pass one of "
+        "jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64 or a name: "
+        f"{', '.join(VALID_NAMES)}."
+    )
+  return dtype
+
+
+def is_half(dtype: DTypeLike) -> bool:
+  """Returns whether ``dtype`` is a 16-bit (or narrower) floating dtype.
+
+  Args:
+    dtype: any dtype-like object.
+
+  Returns:
+    ``True`` for float16, bfloat16 and the float8 formats.
+  """
+  d = np.dtype(dtype)
+  return bool(np.issubdtype(d, np.floating) and d.itemsize <= 2)

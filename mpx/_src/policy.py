@@ -1,0 +1,234 @@
+"""Precision policies: which dtype params are stored in, computed in, returned in.
+
+A :class:`Policy` is a frozen, hashable dataclass, so it can be closed over or
+passed as a static argument to ``jax.jit``; it is never a pytree leaf.
+:func:`get_policy` parses the compact strings that jmp introduced, plus named
+presets, so existing jmp configs keep working.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, TypeVar
+
+import numpy as np
+
+from mpx._src import casting
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors
+
+T = TypeVar("T")
+
+_KEYS = {
+    "params": "param_dtype",
+    "p": "param_dtype",
+    "compute": "compute_dtype",
+    "c": "compute_dtype",
+    "output": "output_dtype",
+    "o": "output_dtype",
+}
+
+PRESETS: dict[str, str] = {
+    "float32": "params=float32,compute=float32,output=float32",
+    "mixed_bfloat16": "params=float32,compute=bfloat16,output=float32",
+    "mixed_float16": "params=float32,compute=float16,output=float32",
+    "bfloat16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+    "float16": "params=float16,compute=float16,output=float16",
+}
+
+
+def _name(dtype: np.dtype) -> str:
+  return np.dtype(dtype).name
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """The three dtypes of mixed-precision training (paper section 3).
+
+  Attributes:
+    param_dtype: the dtype params are stored in (float32 for the paper's master
+      weights; a half dtype only together with float32 masters in the
+      optimizer, see ``mpx.with_master_params``).
+    compute_dtype: the dtype of the forward and backward arithmetic.
+    output_dtype: the dtype a model's outputs are returned in, so that losses
+      and their reductions run in that precision (usually float32).
+
+  Example:
+    >>> import mpx
+    >>> policy = mpx.get_policy("mixed_float16")
+    >>> print(policy)
+    params=float32,compute=float16,output=float32
+    >>> mpx.get_policy(str(policy)) == policy
+    True
+  """
+
+  param_dtype: np.dtype
+  compute_dtype: np.dtype
+  output_dtype: np.dtype
+
+  def __post_init__(self) -> None:
+    for field in dataclasses.fields(self):
+      object.__setattr__(self, field.name, dtypes_lib.parse_dtype(getattr(self, field.name)))
+
+  def cast_to_param(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``param_dtype``.
+
+    Args:
+      tree: any pytree (see :func:`mpx.cast_tree` for which leaves change).
+
+    Returns:
+      The cast tree.
+    """
+    return casting.cast_tree(tree, self.param_dtype)
+
+  def cast_to_compute(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``compute_dtype``.
+
+    Args:
+      tree: any pytree, e.g. params and inputs before the forward pass.
+
+    Returns:
+      The cast tree.
+    """
+    return casting.cast_tree(tree, self.compute_dtype)
+
+  def cast_to_output(self, tree: T) -> T:
+    """Casts the floating leaves of ``tree`` to ``output_dtype``.
+
+    Args:
+      tree: any pytree, e.g. a model's outputs before the loss.
+
+    Returns:
+      The cast tree.
+    """
+    return casting.cast_tree(tree, self.output_dtype)
+
+  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
+    """Returns a copy of this policy with ``param_dtype`` replaced.
+
+    Args:
+      dtype: the new param dtype (a dtype or a name).
+
+    Returns:
+      A new :class:`Policy`.
+    """
+    return dataclasses.replace(self, param_dtype=dtype)
+
+  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
+    """Returns a copy of this policy with ``compute_dtype`` replaced.
+
+    Args:
+      dtype: the new compute dtype (a dtype or a name).
+
+    Returns:
+      A new :class:`Policy`.
+    """
+    return dataclasses.replace(self, compute_dtype=dtype)
+
+  def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
+    """Returns a copy of this policy with ``output_dtype`` replaced.
+
+    Args:
+      dtype: the new output dtype (a dtype or a name).
+
+    Returns:
+      A new :class:`Policy`.
+    """
+    return dataclasses.replace(self, output_dtype=dtype)
+
+  def __str__(self) -> str:
+    return (
+        f"params={_name(self.param_dtype)},compute={_name(self.compute_dtype)},"
+        f"output={_name(self.output_dtype)}"
+    )
+
+
+def _parse_string(spec: str) -> Policy:
+  text = spec.strip().lower()
+  if not text:
+    raise errors.PolicyError(
+        "An empty string is not a precision policy. Write a preset such as "
+        f"'mixed_bfloat16' (presets: {', '.join(PRESETS)}) or 'params=f32,compute=bf16'."
+    )
+  if text in PRESETS:
+    text = PRESETS[text]
+  if "=" not in text:
+    dtype = dtypes_lib.parse_dtype(text)
+    return Policy(dtype, dtype, dtype)
+  found: dict[str, np.dtype] = {}
+  for part in re.split(r"\s*,\s*", text):
+    key, sep, value = (s.strip() for s in part.partition("="))
+    if not sep or key not in _KEYS:
+      raise errors.PolicyError(
+          f"Cannot parse {part!r} in the policy {spec!r}: each part must be "
+          "'<key>=<dtype>' with key one of params|p, compute|c, output|o, "
+          "e.g. 'params=float32,compute=bfloat16,output=float32'."
+      )
+    field = _KEYS[key]
+    if field in found:
+      raise errors.PolicyError(
+          f"The policy {spec!r} sets {field.removesuffix('_dtype')} twice; give each key once."
+      )
+    found[field] = dtypes_lib.parse_dtype(value)
+  if "param_dtype" not in found:
+    raise errors.PolicyError(
+        f"The policy {spec!r} does not set params; write 'params=<dtype>' (or 'p=<dtype>') "
+        "first, e.g. 'p=f32,c=bf16'."
+    )
+  found.setdefault("compute_dtype", found["param_dtype"])
+  found.setdefault("output_dtype", found["compute_dtype"])
+  return Policy(**found)
+
+
+def get_policy(spec: str | Policy | Any) -> Policy:
+  """Returns the :class:`Policy` described by ``spec``.
+
+  Accepted forms:
+
+  * a preset: ``"float32"``, ``"mixed_bfloat16"`` (params f32, compute bf16,
+    output f32), ``"mixed_float16"`` (params f32, compute f16, output f32),
+    ``"bfloat16"`` and ``"float16"`` (all three half: inference, or training
+    with float32 masters in the optimizer);
+  * jmp's grammar: ``"params=float32,compute=bfloat16,output=float32"``, with
+    the short keys ``p``, ``c``, ``o``; compute defaults to params and output
+    to compute when left out;
+  * a bare dtype name, for all three dtypes: ``"bf16"``;
+  * a :class:`Policy` (returned unchanged) or any object with ``param_dtype``,
+    ``compute_dtype`` and ``output_dtype`` attributes, such as a ``jmp.Policy``.
+
+  Dtype names are ``float32|f32|full|single``, ``bfloat16|bf16``,
+  ``float16|f16|half`` (``half`` is float16 everywhere) and
+  ``float64|f64``; case and whitespace are ignored.
+
+  Note that ``params=float16`` without float32 master weights is the failure
+  mode of paper section 3.1: updates smaller than half an ulp of a weight are
+  rounded away. It is allowed (it is what ``mpx.with_master_params`` expects)
+  but should be trained only with masters.
+
+  Args:
+    spec: the policy description.
+
+  Returns:
+    The parsed policy.
+
+  Raises:
+    PolicyError: the string cannot be parsed; the message lists the valid keys,
+      names and presets.
+
+  Example:
+    >>> import mpx
+    >>> print(mpx.get_policy("p=f32,c=bf16"))
+    params=float32,compute=bfloat16,output=bfloat16
+  """
+  if isinstance(spec, Policy):
+    return spec
+  if isinstance(spec, str):
+    return _parse_string(spec)
+  if all(hasattr(spec, f.name) for f in dataclasses.fields(Policy)):
+    return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+  raise errors.PolicyError(
+      f"Cannot make a precision policy from {spec!r} of type {type(spec).__name__}. Pass "
+      f"a string such as 'mixed_bfloat16' (presets: {', '.join(PRESETS)}), an mpx.Policy, "
+      "or an object with param_dtype, compute_dtype and output_dtype attributes."
+  )

@@ -6,7 +6,8 @@ The rule (used by every policy method and optimizer wrapper in mpx):
   sharding is preserved, and a leaf that already has the target dtype is
   returned as is, so no ``convert`` op is emitted.
 * NumPy arrays and NumPy scalars with a floating dtype are cast with NumPy and
-  stay on the host (a data loader's batch is not moved to a device).
+  stay on the host (a data loader's batch is not moved to a device); they
+  round bit for bit as on the device, without NumPy's overflow warning.
 * Everything else is returned unchanged: integer, boolean and complex arrays,
   typed PRNG keys (``jax.random.key``) and legacy ``uint32`` keys, ``None``,
   strings and other Python objects, and Python ``float`` scalars, which JAX
@@ -30,7 +31,12 @@ T = TypeVar("T")
 def _cast_leaf(x: Any, dtype: np.dtype) -> Any:
   if not tree_lib.is_floating_array(x) or x.dtype == dtype:
     return x
-  return x.astype(dtype)
+  if isinstance(x, jax.Array):
+    return x.astype(dtype)
+  # A host leaf rounds exactly as a device leaf does, and as silently: NumPy
+  # would warn where a value overflows to inf, JAX never does.
+  with np.errstate(over="ignore", invalid="ignore"):
+    return x.astype(dtype)
 
 
 def cast_tree(tree: T, dtype: dtypes_lib.DTypeLike) -> T:

@@ -17,15 +17,15 @@ from mpx._src import errors
 DTypeLike = Any
 
 _ALIASES: dict[str, tuple[str, ...]] = {
-    "float32": ("float32", "f32", "full", "single", "fp32"),
-    "bfloat16": ("bfloat16", "bf16"),
-    "float16": ("float16", "f16", "half", "fp16"),
-    "float64": ("float64", "f64", "double", "fp64"),
+  "float32": ("float32", "f32", "full", "single", "fp32"),
+  "bfloat16": ("bfloat16", "bf16"),
+  "float16": ("float16", "f16", "half", "fp16"),
+  "float64": ("float64", "f64", "double", "fp64"),
 }
 _BY_NAME: dict[str, np.dtype] = {
-    alias: np.dtype(getattr(jnp, canonical))
-    for canonical, aliases in _ALIASES.items()
-    for alias in aliases
+  alias: np.dtype(getattr(jnp, canonical))
+  for canonical, aliases in _ALIASES.items()
+  for alias in aliases
 }
 VALID_NAMES: tuple[str, ...] = tuple(_BY_NAME)
 _SUPPORTED: frozenset[np.dtype] = frozenset(_BY_NAME.values())
@@ -51,18 +51,19 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
     if key in _BY_NAME:
       return _BY_NAME[key]
     raise errors.PolicyError(
-        f"Unknown dtype name {value!r}. Valid names are: {', '.join(VALID_NAMES)} "
-        "('half' is float16 on every platform; write 'bf16' for bfloat16)."
+      f"Unknown dtype name {value!r}. Valid names are: {', '.join(VALID_NAMES)} "
+      "('half' is float16 on every platform; write 'bf16' for bfloat16)."
     )
   try:
-    dtype = np.dtype(value)
-  except TypeError:
+    # np.dtype(None) is float64; a missing dtype must not silently mean double.
+    dtype = None if value is None else np.dtype(value)
+  except (TypeError, ValueError):
     dtype = None
   if dtype is None or dtype not in _SUPPORTED:
     raise errors.PolicyError(
-        f"{value!r} is not a dtype a precision policy can use. Pass one of "
-        "jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64 or a name: "
-        f"{', '.join(VALID_NAMES)}."
+      f"{value!r} is not a dtype a precision policy can use. Pass one of "
+      "jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64 or a name: "
+      f"{', '.join(VALID_NAMES)}."
     )
   return dtype
 
@@ -76,5 +77,5 @@ def is_half(dtype: DTypeLike) -> bool:
   Returns:
     ``True`` for float16, bfloat16 and the float8 formats.
   """
-  d = np.dtype(dtype)
-  return bool(np.issubdtype(d, np.floating) and d.itemsize <= 2)
+  # NumPy's issubdtype says bfloat16 and float8 are not floating; JAX's knows them.
+  return bool(jnp.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize <= 2)

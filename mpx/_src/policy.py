@@ -14,27 +14,26 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from mpx._src import casting
+from mpx._src import casting, errors
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors
 
 T = TypeVar("T")
 
 _KEYS = {
-    "params": "param_dtype",
-    "p": "param_dtype",
-    "compute": "compute_dtype",
-    "c": "compute_dtype",
-    "output": "output_dtype",
-    "o": "output_dtype",
+  "params": "param_dtype",
+  "p": "param_dtype",
+  "compute": "compute_dtype",
+  "c": "compute_dtype",
+  "output": "output_dtype",
+  "o": "output_dtype",
 }
 
 PRESETS: dict[str, str] = {
-    "float32": "params=float32,compute=float32,output=float32",
-    "mixed_bfloat16": "params=float32,compute=bfloat16,output=float32",
-    "mixed_float16": "params=float32,compute=float16,output=float32",
-    "bfloat16": "params=bfloat16,compute=bfloat16,output=bfloat16",
-    "float16": "params=float16,compute=float16,output=float16",
+  "float32": "params=float32,compute=float32,output=float32",
+  "mixed_bfloat16": "params=float32,compute=bfloat16,output=float32",
+  "mixed_float16": "params=float32,compute=float16,output=float32",
+  "bfloat16": "params=bfloat16,compute=bfloat16,output=bfloat16",
+  "float16": "params=float16,compute=float16,output=float16",
 }
 
 
@@ -139,8 +138,8 @@ class Policy:
 
   def __str__(self) -> str:
     return (
-        f"params={_name(self.param_dtype)},compute={_name(self.compute_dtype)},"
-        f"output={_name(self.output_dtype)}"
+      f"params={_name(self.param_dtype)},compute={_name(self.compute_dtype)},"
+      f"output={_name(self.output_dtype)}"
     )
 
 
@@ -148,12 +147,18 @@ def _parse_string(spec: str) -> Policy:
   text = spec.strip().lower()
   if not text:
     raise errors.PolicyError(
-        "An empty string is not a precision policy. Write a preset such as "
-        f"'mixed_bfloat16' (presets: {', '.join(PRESETS)}) or 'params=f32,compute=bf16'."
+      "An empty string is not a precision policy. Write a preset such as "
+      f"'mixed_bfloat16' (presets: {', '.join(PRESETS)}) or 'params=f32,compute=bf16'."
     )
   if text in PRESETS:
     text = PRESETS[text]
   if "=" not in text:
+    if text not in dtypes_lib.VALID_NAMES:
+      raise errors.PolicyError(
+        f"Unknown precision policy {spec!r}. Write a preset ({', '.join(PRESETS)}), a dtype "
+        f"name meaning all three dtypes ({', '.join(dtypes_lib.VALID_NAMES)}), or "
+        "'params=<dtype>,compute=<dtype>,output=<dtype>' with the short keys p, c, o allowed."
+      )
     dtype = dtypes_lib.parse_dtype(text)
     return Policy(dtype, dtype, dtype)
   found: dict[str, np.dtype] = {}
@@ -161,20 +166,25 @@ def _parse_string(spec: str) -> Policy:
     key, sep, value = (s.strip() for s in part.partition("="))
     if not sep or key not in _KEYS:
       raise errors.PolicyError(
-          f"Cannot parse {part!r} in the policy {spec!r}: each part must be "
-          "'<key>=<dtype>' with key one of params|p, compute|c, output|o, "
-          "e.g. 'params=float32,compute=bfloat16,output=float32'."
+        f"Cannot parse {part!r} in the policy {spec!r}: each part must be "
+        "'<key>=<dtype>' with key one of params|p, compute|c, output|o, "
+        "e.g. 'params=float32,compute=bfloat16,output=float32'."
       )
     field = _KEYS[key]
     if field in found:
       raise errors.PolicyError(
-          f"The policy {spec!r} sets {field.removesuffix('_dtype')} twice; give each key once."
+        f"The policy {spec!r} sets {field.removesuffix('_dtype')} twice; give each key once."
       )
-    found[field] = dtypes_lib.parse_dtype(value)
+    try:
+      found[field] = dtypes_lib.parse_dtype(value)
+    except errors.PolicyError as e:
+      # 'p=f32;c=bf16' fails on the value 'f32;c=bf16': name the policy and the likely fix.
+      hint = " Separate the parts with commas." if re.search(r"[^a-z0-9_]", value) else ""
+      raise errors.PolicyError(f"In the policy {spec!r}: {e}{hint}") from e
   if "param_dtype" not in found:
     raise errors.PolicyError(
-        f"The policy {spec!r} does not set params; write 'params=<dtype>' (or 'p=<dtype>') "
-        "first, e.g. 'p=f32,c=bf16'."
+      f"The policy {spec!r} does not set params; write 'params=<dtype>' (or 'p=<dtype>') "
+      "first, e.g. 'p=f32,c=bf16'."
     )
   found.setdefault("compute_dtype", found["param_dtype"])
   found.setdefault("output_dtype", found["compute_dtype"])
@@ -228,7 +238,7 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   if all(hasattr(spec, f.name) for f in dataclasses.fields(Policy)):
     return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
   raise errors.PolicyError(
-      f"Cannot make a precision policy from {spec!r} of type {type(spec).__name__}. Pass "
-      f"a string such as 'mixed_bfloat16' (presets: {', '.join(PRESETS)}), an mpx.Policy, "
-      "or an object with param_dtype, compute_dtype and output_dtype attributes."
+    f"Cannot make a precision policy from {spec!r} of type {type(spec).__name__}. Pass "
+    f"a string such as 'mixed_bfloat16' (presets: {', '.join(PRESETS)}), an mpx.Policy, "
+    "or an object with param_dtype, compute_dtype and output_dtype attributes."
   )

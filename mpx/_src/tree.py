@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import errors
@@ -42,11 +43,13 @@ def is_floating_array(x: Any) -> bool:
   Returns:
     ``True`` for JAX/NumPy arrays of a floating dtype (float8 to float64).
   """
-  return is_array(x) and np.issubdtype(x.dtype, np.floating)
+  # jnp.issubdtype, not NumPy's: NumPy does not count the ml_dtypes
+  # formats (bfloat16, float8) as floating, and it raises on typed PRNG key dtypes.
+  return is_array(x) and bool(jnp.issubdtype(x.dtype, np.floating))
 
 
 def check_floating_leaves(
-    tree: PyTree, *, what: str, allow: Callable[[Any], bool] | None = None
+  tree: PyTree, *, what: str, allow: Callable[[Any], bool] | None = None
 ) -> None:
   """Raises if a leaf of ``tree`` is not a floating array.
 
@@ -63,10 +66,10 @@ def check_floating_leaves(
       continue
     kind = f"dtype {leaf.dtype}" if is_array(leaf) else f"type {type(leaf).__name__}"
     raise errors.LeafTypeError(
-        f"{what} leaf {path_str(path)!r} has {kind}, but every leaf of the {what} "
-        "must be a floating-point array. Differentiate only with respect to floating "
-        "parameters (keep integer state such as step counters or batch statistics out of "
-        "the differentiated tree), or set non-differentiable leaves to None."
+      f"{what} leaf {path_str(path)!r} has {kind}, but every leaf of the {what} "
+      "must be a floating-point array. Differentiate only with respect to floating "
+      "parameters (keep integer state such as step counters or batch statistics out of "
+      "the differentiated tree), or set non-differentiable leaves to None."
     )
 
 
@@ -87,15 +90,26 @@ def check_same_structure(a: PyTree, b: PyTree, *, names: tuple[str, str]) -> Non
     return
   pa = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]]
   pb = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(b)[0]]
-  for x, y in zip(pa, pb):
-    if x != y:
-      detail = f"the first difference is {x!r} in the {names[0]} against {y!r} in the {names[1]}"
-      break
+  # Compare path sets, not positions: a leaf missing early in one tree would
+  # otherwise shift every later pair and blame a leaf that is present in both.
+  set_a, set_b = set(pa), set(pb)
+  only_a = [p for p in pa if p not in set_b]
+  only_b = [p for p in pb if p not in set_a]
+  a_name, b_name = names
+  if only_a and only_b:
+    detail = (
+      f"{only_a[0]!r} is in the {a_name} but not in the {b_name}, and {only_b[0]!r} is in "
+      f"the {b_name} but not in the {a_name}"
+    )
+  elif only_a:
+    detail = f"{only_a[0]!r} is in the {a_name} but not in the {b_name}"
+  elif only_b:
+    detail = f"{only_b[0]!r} is in the {b_name} but not in the {a_name}"
   else:
-    longer, extra = (names[0], pa[len(pb)]) if len(pa) > len(pb) else (names[1], pb[len(pa)])
-    detail = f"the {longer} have an extra leaf {extra!r}"
+    # Same leaf paths, different nodes: a list against a tuple, or a None in one tree.
+    detail = f"the leaf paths agree and the containers differ: {sa} against {sb}"
   raise errors.TreeStructureError(
-      f"The {names[0]} and the {names[1]} must have the same tree structure, but {detail} "
-      f"({len(pa)} against {len(pb)} leaves). Pass the {names[1]} the {names[0]} were "
-      "computed from."
+    f"The {names[0]} and the {names[1]} must have the same tree structure, but {detail} "
+    f"({len(pa)} against {len(pb)} leaves). Pass the {names[1]} the {names[0]} were "
+    "computed from."
   )

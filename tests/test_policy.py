@@ -1,0 +1,264 @@
+"""Tests for mpx.Policy and mpx.get_policy: the grammar, presets, and static use under jit."""
+
+import dataclasses
+import types
+
+import chex
+import hypothesis
+import jax
+import jax.numpy as jnp
+import jmp
+import numpy as np
+import pytest
+from hypothesis import strategies as st
+
+import mpx
+from mpx._src import policy as policy_lib
+
+F32, BF16, F16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
+FAST = hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
+
+# Every spelling of every dtype name get_policy documents.
+SPELLINGS = {
+  F32: ("float32", "f32", "full", "single", "fp32"),
+  BF16: ("bfloat16", "bf16"),
+  F16: ("float16", "f16", "half", "fp16"),
+  F64: ("float64", "f64", "double", "fp64"),
+}
+
+
+@pytest.mark.parametrize(
+  ("spec", "expected"),
+  [
+    ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+    ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+    ("params=f32,c=f16,output=f32", (F32, F16, F32)),
+    ("o=f32,c=f16,p=bf16", (BF16, F16, F32)),
+    # Left-out compute defaults to params, left-out output to compute.
+    ("p=f32,c=bf16", (F32, BF16, BF16)),
+    ("p=f16", (F16, F16, F16)),
+    ("params=bf16,output=f32", (BF16, BF16, F32)),
+    # A bare dtype name means all three dtypes.
+    ("bf16", (BF16, BF16, BF16)),
+    ("full", (F32, F32, F32)),
+    ("single", (F32, F32, F32)),
+    ("f64", (F64, F64, F64)),
+    # half is float16 on every platform (jmp picks bfloat16 on TPU).
+    ("half", (F16, F16, F16)),
+    ("p=half", (F16, F16, F16)),
+    # Case and surrounding whitespace are ignored.
+    ("  P = F32 ,  C=BF16,O =Float32  ", (F32, BF16, F32)),
+    ("\tHALF\n", (F16, F16, F16)),
+    ("Mixed_Float16", (F32, F16, F32)),
+    # The presets.
+    ("float32", (F32, F32, F32)),
+    ("mixed_bfloat16", (F32, BF16, F32)),
+    ("mixed_float16", (F32, F16, F32)),
+    ("bfloat16", (BF16, BF16, BF16)),
+    ("float16", (F16, F16, F16)),
+  ],
+)
+def test_get_policy_parses_the_grammar(spec, expected):
+  policy = mpx.get_policy(spec)
+  got = (policy.param_dtype, policy.compute_dtype, policy.output_dtype)
+  assert got == expected
+  assert all(isinstance(d, np.dtype) for d in got), "fields must be normalised to np.dtype"
+
+
+def test_presets_table_is_what_the_docs_say():
+  assert set(policy_lib.PRESETS) == {
+    "float32",
+    "mixed_bfloat16",
+    "mixed_float16",
+    "bfloat16",
+    "float16",
+  }
+
+
+@pytest.mark.parametrize("preset", sorted(policy_lib.PRESETS))
+def test_str_of_every_preset_parses_back(preset):
+  policy = mpx.get_policy(preset)
+  assert str(policy) == policy_lib.PRESETS[preset]
+  assert mpx.get_policy(str(policy)) == policy
+
+
+def test_str_format():
+  policy = mpx.Policy(jnp.float32, jnp.bfloat16, jnp.float16)
+  assert str(policy) == "params=float32,compute=bfloat16,output=float16"
+
+
+dtype_st = st.sampled_from(list(SPELLINGS))
+
+
+@FAST
+@hypothesis.given(dtype_st, dtype_st, dtype_st)
+def test_str_parses_back_for_any_triple(p, c, o):
+  policy = mpx.Policy(p, c, o)
+  assert mpx.get_policy(str(policy)) == policy
+  assert mpx.get_policy(str(policy)) is not policy
+
+
+@st.composite
+def _spelled_spec(draw):
+  """A jmp-grammar string with random key spellings, order, case and spacing."""
+  dtypes = {field: draw(dtype_st) for field in ("param", "compute", "output")}
+  keys = {"param": ("params", "p"), "compute": ("compute", "c"), "output": ("output", "o")}
+  fields = draw(st.permutations(["param", "compute", "output"]))
+  space = st.sampled_from(["", " ", "  ", "\t"])
+  parts = []
+  for field in fields:
+    key = draw(st.sampled_from(keys[field]))
+    name = draw(st.sampled_from(SPELLINGS[dtypes[field]]))
+    text = f"{draw(space)}{key}{draw(space)}={draw(space)}{name}{draw(space)}"
+    parts.append(draw(st.sampled_from([text, text.upper(), text.title()])))
+  return ",".join(parts), dtypes
+
+
+@FAST
+@hypothesis.given(_spelled_spec())
+def test_any_spelling_of_a_full_spec_parses(spec_and_dtypes):
+  spec, dtypes = spec_and_dtypes
+  policy = mpx.get_policy(spec)
+  assert policy == mpx.Policy(dtypes["param"], dtypes["compute"], dtypes["output"])
+
+
+def test_policy_is_returned_unchanged():
+  policy = mpx.Policy(F32, F16, F32)
+  assert mpx.get_policy(policy) is policy
+
+
+@pytest.mark.parametrize(
+  ("jmp_spec", "expected"),
+  [
+    ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+    ("params=float32,compute=float16,output=float32", (F32, F16, F32)),
+    ("bf16", (BF16, BF16, BF16)),
+  ],
+)
+def test_jmp_policy_is_converted(jmp_spec, expected):
+  jmp_policy = jmp.get_policy(jmp_spec)
+  policy = mpx.get_policy(jmp_policy)
+  assert isinstance(policy, mpx.Policy)
+  assert (policy.param_dtype, policy.compute_dtype, policy.output_dtype) == expected
+  # The same string means the same policy in both libraries.
+  assert mpx.get_policy(jmp_spec) == policy
+
+
+def test_jmp_policy_constructed_directly():
+  jmp_policy = jmp.Policy(param_dtype=jnp.float32, compute_dtype=jnp.float16, output_dtype=F32)
+  assert mpx.get_policy(jmp_policy) == mpx.get_policy("mixed_float16")
+
+
+def test_duck_typed_policy_object():
+  duck = types.SimpleNamespace(param_dtype="f32", compute_dtype=jnp.bfloat16, output_dtype=F32)
+  assert mpx.get_policy(duck) == mpx.get_policy("mixed_bfloat16")
+
+
+def test_constructor_normalises_any_dtype_spelling():
+  a = mpx.Policy("f32", jnp.bfloat16, np.dtype("float16"))
+  b = mpx.Policy(np.float32, "BF16", "half")
+  assert a == b
+  assert hash(a) == hash(b)
+  assert (a.param_dtype, a.compute_dtype, a.output_dtype) == (F32, BF16, F16)
+
+
+def test_policy_is_frozen():
+  policy = mpx.get_policy("mixed_float16")
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    policy.compute_dtype = F32  # type: ignore[misc]
+  assert policy.compute_dtype == F16
+
+
+def test_policy_is_hashable_and_equal_across_spellings():
+  spellings = ["mixed_bfloat16", "p=f32,c=bf16,o=f32", "params=full,compute=bfloat16,o=single"]
+  policies = [mpx.get_policy(s) for s in spellings]
+  assert len(set(policies)) == 1
+  assert {policies[0]: "x"}[policies[2]] == "x"
+  assert mpx.get_policy("mixed_float16") != policies[0]
+  assert len({mpx.get_policy(p) for p in policy_lib.PRESETS}) == len(policy_lib.PRESETS)
+
+
+def test_policy_is_a_static_jit_argument():
+  traces = []
+
+  def f(policy, x):
+    traces.append(policy)
+    return policy.cast_to_output(policy.cast_to_compute(x) * 2)
+
+  jf = jax.jit(f, static_argnums=0)
+  x = jnp.arange(3, dtype=jnp.float32)
+  y = jf(mpx.get_policy("mixed_bfloat16"), x)
+  assert y.dtype == F32
+  # An equal policy spelled differently hits the cache: no second trace.
+  y2 = jf(mpx.get_policy("p=f32,c=bf16,o=f32"), x)
+  assert len(traces) == 1
+  z = jf(mpx.get_policy("bfloat16"), x)
+  assert len(traces) == 2
+  assert z.dtype == BF16
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(y2))
+  np.testing.assert_array_equal(np.asarray(y), [0.0, 2.0, 4.0])
+
+
+def test_policy_is_never_traced_or_flattened():
+  policy = mpx.get_policy("mixed_float16")
+  # Not a registered pytree node: tree utilities see it as one opaque object,
+  # so its dtypes can never be mapped over or turned into tracers.
+  assert jax.tree.leaves(policy) == [policy]
+  assert jax.tree.structure(policy).num_nodes == 1
+  with pytest.raises(TypeError, match="non-array argument"):
+    jax.jit(lambda p, x: p.cast_to_compute(x))(policy, jnp.ones(2))
+  # A policy sitting inside a tree that is cast is left alone.
+  tree = {"policy": policy, "w": jnp.ones(2)}
+  out = mpx.cast_tree(tree, jnp.bfloat16)
+  assert out["policy"] is policy
+
+
+@pytest.mark.parametrize(
+  ("method", "field"),
+  [
+    ("with_param_dtype", "param_dtype"),
+    ("with_compute_dtype", "compute_dtype"),
+    ("with_output_dtype", "output_dtype"),
+  ],
+)
+@pytest.mark.parametrize("new", ["bf16", jnp.bfloat16, np.dtype("bfloat16")])
+def test_with_dtype_returns_a_copy(method, field, new):
+  policy = mpx.get_policy("float32")
+  copy = getattr(policy, method)(new)
+  assert copy is not policy
+  assert getattr(copy, field) == BF16
+  assert policy == mpx.get_policy("float32"), "the original must not change"
+  others = {f.name for f in dataclasses.fields(policy)} - {field}
+  assert all(getattr(copy, f) == F32 for f in others)
+
+
+def test_float16_params_are_allowed_without_a_warning():
+  # Pure float16 is the paper's failure mode without masters, but it is what
+  # with_master_params expects, so parsing it must stay silent (warnings are errors here).
+  policy = mpx.get_policy("float16")
+  assert policy.param_dtype == F16
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("preset", sorted(policy_lib.PRESETS))
+def test_cast_methods_use_the_matching_dtype(preset, use_jit):
+  policy = mpx.get_policy(preset)
+  tree = {
+    "w": jnp.linspace(-2.0, 2.0, 5, dtype=jnp.float32),
+    "h": jnp.ones((2,), jnp.bfloat16),
+    "step": jnp.zeros((), jnp.int32),
+  }
+
+  def casts(t):
+    return policy.cast_to_param(t), policy.cast_to_compute(t), policy.cast_to_output(t)
+
+  fn = jax.jit(casts) if use_jit else casts
+  for out, dtype in zip(
+    fn(tree), (policy.param_dtype, policy.compute_dtype, policy.output_dtype), strict=True
+  ):
+    chex.assert_trees_all_equal_structs(out, tree)
+    assert out["w"].dtype == dtype
+    assert out["h"].dtype == dtype
+    assert out["step"].dtype == jnp.int32
+    expected = np.asarray(tree["w"]).astype(dtype)
+    np.testing.assert_array_equal(np.asarray(out["w"]).view(np.uint8), expected.view(np.uint8))

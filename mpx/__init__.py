@@ -5,6 +5,11 @@ Training* (ICLR 2018): float32 master weights, loss scaling, and
 half-precision arithmetic accumulated in float32.
 """
 
+from mpx import linen as linen
+from mpx import nnx as nnx
+from mpx._src.audit import AuditReport as AuditReport
+from mpx._src.audit import MatmulOp as MatmulOp
+from mpx._src.audit import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
 from mpx._src.errors import ConfigError as ConfigError
 from mpx._src.errors import LeafTypeError as LeafTypeError
@@ -14,21 +19,60 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.keep import KeepRules as KeepRules
+from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
+from mpx._src.kernels import softmax as softmax
+from mpx._src.loss_scaling import LossScaleState as LossScaleState
+from mpx._src.loss_scaling import all_finite as all_finite
+from mpx._src.loss_scaling import dynamic_loss_scale as dynamic_loss_scale
+from mpx._src.loss_scaling import no_loss_scale as no_loss_scale
+from mpx._src.loss_scaling import static_loss_scale as static_loss_scale
+from mpx._src.master_params import MasterParamsState as MasterParamsState
+from mpx._src.master_params import apply_updates as apply_updates
+from mpx._src.master_params import with_master_params as with_master_params
+from mpx._src.mixed_precision import check_state as check_state
+from mpx._src.mixed_precision import mixed_precision as mixed_precision
 from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
+from mpx._src.scaled_loss import check_loss_scale as check_loss_scale
+from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
+from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
+from mpx._src.scaled_loss import value_and_grad as value_and_grad
 
 __version__ = "0.1.0"
 
 __all__ = (
-    "ConfigError",
-    "LeafTypeError",
-    "LossScaleDivergedError",
-    "MpxError",
-    "Policy",
-    "PolicyError",
-    "PrecisionWarning",
-    "StateError",
-    "TreeStructureError",
-    "cast_tree",
-    "get_policy",
+  "AuditReport",
+  "ConfigError",
+  "KeepRules",
+  "LeafTypeError",
+  "LossScaleDivergedError",
+  "LossScaleState",
+  "MasterParamsState",
+  "MatmulOp",
+  "MpxError",
+  "Policy",
+  "PolicyError",
+  "PrecisionWarning",
+  "StateError",
+  "TreeStructureError",
+  "accumulate_in_float32",
+  "all_finite",
+  "apply_updates",
+  "audit",
+  "cast_tree",
+  "check_loss_scale",
+  "check_state",
+  "dynamic_loss_scale",
+  "get_loss_scale",
+  "get_policy",
+  "linen",
+  "loss_scale_metrics",
+  "mixed_precision",
+  "nnx",
+  "no_loss_scale",
+  "softmax",
+  "static_loss_scale",
+  "value_and_grad",
+  "with_master_params",
 )

@@ -1,0 +1,522 @@
+"""A matmul and convolution dtype audit of a lowered JAX program.
+
+:func:`audit` lowers a function with ``jax.jit(fn).lower(*args)`` (nothing is
+compiled and no accelerator is needed), walks the StableHLO module and returns
+one record per ``dot_general`` / ``dot`` / ``convolution``: operand and result
+dtypes, shapes, FLOPs and share of the total, the Flax module that issued it
+and whether it belongs to the backward pass. It answers the question the paper
+(section 3.3) leaves to the user: did every product actually run with
+half-precision operands, or did a layer left at ``dtype=None`` promote its
+inputs back to float32 and run a float32 GEMM? It also flags GEMM dimensions
+that are not multiples of 8, which Tensor Cores need (seed 004).
+
+Where the module path comes from. JAX records a name stack on every op
+(``jit(step)/transpose(jvp(Decoder))/Block_0/Dense_0/dot_general``). Flax
+linen pushes one name per module call, so the audit strips the transformation
+wrappers (``jvp(...)``, ``transpose(...)``; a ``transpose`` marks a backward
+op), function names (``jit(...)``), einsum specs, JAX's own scopes (``while``,
+``body``, ``checkpoint``...) and the primitive, leaving ``Decoder/Block_0/
+Dense_0``: the root module's class name, then the path of the params. NNX
+pushes no names; there the path is rebuilt from the Python call stack kept in
+the location (``NnxDecoder/NnxBlock/NnxMlp/Linear``: class names, a method
+other than ``__call__`` appended as ``.method``).
+
+What is counted. Ops in called functions (``func.call``) count once per static
+call site. Ops in ``while`` bodies (``lax.scan``, ``fori_loop``) count ONCE,
+not once per iteration: the trip count is not part of the program text, so
+FLOP shares of scanned layers are understated by their trip count. Ops that
+``jax.checkpoint`` recomputes in the backward pass appear as backward ops.
+
+Only JAX is imported: no Flax and no optax, so the audit works on any function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors
+from mpx._src import policy as policy_lib
+
+_KINDS = {
+  "stablehlo.dot_general": "dot_general",
+  "stablehlo.dot": "dot",
+  "stablehlo.convolution": "convolution",
+}
+_MLIR_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+# JAX's own name-stack scopes; they say how an op was produced, not who issued it.
+_INTERNAL_SCOPES = frozenset(
+  {
+    "body",
+    "branch",
+    "checkpoint",
+    "closed_call",
+    "cond",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "jit",
+    "pjit",
+    "remat",
+    "rematted_computation",
+    "scan",
+    "shard_map",
+    "while",
+  }
+)
+_WRAPPED = re.compile(r"([A-Za-z_][\w.]*)\((.*)\)")
+_LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
+_FRAME = re.compile(r'"([A-Za-z_<][\w.<>]*)"\(')
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+_ALIGNMENT = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulOp:
+  """One matrix product or convolution of the audited program.
+
+  Attributes:
+    kind: ``"dot_general"``, ``"dot"`` or ``"convolution"``.
+    lhs_dtype: dtype of the left operand (the activations of a forward layer).
+    rhs_dtype: dtype of the right operand (the kernel of a forward layer).
+    result_dtype: dtype the op returns; float32 with half operands means
+      ``preferred_element_type=float32`` was requested.
+    accumulation_dtype: the accumulation type when the op pins a dot algorithm,
+      else ``None`` (the backend's default: float32 for half operands on GPUs).
+    lhs_shape: shape of the left operand.
+    rhs_shape: shape of the right operand.
+    result_shape: shape of the result.
+    gemm_dims: ``(M, N, K)`` of the equivalent GEMM; for a convolution M is the
+      number of output positions, N the output features and K the kernel's
+      spatial size times its input features per group.
+    flops: ``2 * M * N * K`` (times the batch for a batched dot) per execution,
+      times ``count``.
+    share: ``flops`` over the FLOPs of every op in the program, in ``[0, 1]``.
+    module_path: the issuing module, e.g. ``"Decoder/Block_0/Mlp_0/Dense_0"``;
+      ``""`` when the op carries no usable location.
+    name: the raw JAX name stack of the op, for when ``module_path`` is not
+      enough.
+    is_backward: whether the op belongs to a transposed (backward) computation.
+    count: how many static call sites execute the op (see the module notes).
+    misaligned: the ``gemm_dims`` that are not multiples of 8, as ``("N=10",)``.
+  """
+
+  kind: str
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  result_dtype: np.dtype
+  accumulation_dtype: np.dtype | None
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  result_shape: tuple[int, ...]
+  gemm_dims: tuple[int, int, int]
+  flops: int
+  share: float
+  module_path: str
+  name: str
+  is_backward: bool
+  count: int
+  misaligned: tuple[str, ...]
+
+  @property
+  def is_half(self) -> bool:
+    """Whether both operands are 16-bit (or narrower) floats."""
+    return dtypes_lib.is_half(self.lhs_dtype) and dtypes_lib.is_half(self.rhs_dtype)
+
+  @property
+  def is_float32_or_wider(self) -> bool:
+    """Whether either operand is a float of 32 bits or more."""
+    return any(
+      np.issubdtype(d, np.floating) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class AuditReport:
+  """Every matmul and convolution of a program; ``str(report)`` is a table.
+
+  Attributes:
+    ops: the records, in program order.
+    policy: the policy the program was meant to follow, if one was given.
+    program_flops: the FLOPs of the whole program (``share`` is relative to it,
+      also in a filtered report).
+  """
+
+  ops: tuple[MatmulOp, ...]
+  policy: policy_lib.Policy | None = None
+  program_flops: int = 0
+
+  @property
+  def total_flops(self) -> int:
+    """The FLOPs of the ops in this report."""
+    return sum(op.flops for op in self.ops)
+
+  @property
+  def half_flops_share(self) -> float:
+    """The share of this report's FLOPs whose operands are both half precision.
+
+    ``nan`` for a report without ops, so that asserting ``== 1.0`` on a program
+    that has no matmul at all fails instead of passing vacuously.
+    """
+    total = self.total_flops
+    if not total:
+      return math.nan
+    return sum(op.flops for op in self.ops if op.is_half) / total
+
+  @property
+  def float32_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops with a float32 (or wider) operand."""
+    return tuple(op for op in self.ops if op.is_float32_or_wider)
+
+  @property
+  def misaligned_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops with a GEMM dimension that is not a multiple of 8."""
+    return tuple(op for op in self.ops if op.misaligned)
+
+  @property
+  def backward_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops of the backward pass."""
+    return tuple(op for op in self.ops if op.is_backward)
+
+  def filter(self, pattern: str | None = None, *, backward: bool | None = None) -> AuditReport:
+    """Returns the report restricted to some ops.
+
+    Args:
+      pattern: a regular expression searched (``re.search``) in each op's
+        ``module_path``; ``None`` keeps every path.
+      backward: ``True`` keeps backward ops only, ``False`` forward ops only.
+
+    Returns:
+      A new report with the same ``policy`` and ``program_flops``.
+    """
+    ops = tuple(
+      op
+      for op in self.ops
+      if (pattern is None or re.search(pattern, op.module_path))
+      and (backward is None or op.is_backward == backward)
+    )
+    return dataclasses.replace(self, ops=ops)
+
+  def exclude(self, pattern: str) -> AuditReport:
+    """Returns the report without the ops whose ``module_path`` matches ``pattern``.
+
+    Args:
+      pattern: a regular expression searched in each op's ``module_path``, e.g.
+        the keep-listed layers whose products are meant to stay float32.
+
+    Returns:
+      A new report with the same ``policy`` and ``program_flops``.
+    """
+    return dataclasses.replace(
+      self, ops=tuple(op for op in self.ops if not re.search(pattern, op.module_path))
+    )
+
+  def flags(self, op: MatmulOp) -> tuple[str, ...]:
+    """Returns the warnings for one op: ``"f32"`` under a half policy, ``"align"``.
+
+    Args:
+      op: one of ``self.ops``.
+
+    Returns:
+      The flags, possibly empty.
+    """
+    flags = []
+    if (
+      self.policy is not None
+      and dtypes_lib.is_half(self.policy.compute_dtype)
+      and op.is_float32_or_wider
+    ):
+      flags.append("f32")
+    if op.misaligned:
+      flags.append("align:" + ",".join(op.misaligned))
+    return tuple(flags)
+
+  def __str__(self) -> str:
+    header = ("#", "kind", "pass", "module", "lhs", "rhs", "result", "MFLOP", "share", "flags")
+    rows = [
+      (
+        str(i),
+        op.kind,
+        "bwd" if op.is_backward else "fwd",
+        op.module_path or "?",
+        _fmt(op.lhs_dtype, op.lhs_shape),
+        _fmt(op.rhs_dtype, op.rhs_shape),
+        _fmt(op.result_dtype, op.result_shape),
+        f"{op.flops / 1e6:.3f}",
+        f"{100 * op.share:.1f}%",
+        " ".join(self.flags(op)),
+      )
+      for i, op in enumerate(self.ops)
+    ]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = [
+      "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+      for r in [header, *rows]
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    policy = f"policy {self.policy}; " if self.policy is not None else ""
+    lines.append(
+      f"{policy}{len(self.ops)} ops, {self.total_flops / 1e6:.3f} MFLOP, "
+      f"{100 * self.half_flops_share:.1f}% of FLOPs with half-precision operands, "
+      f"{len(self.float32_ops)} with float32 operands, {len(self.misaligned_ops)} misaligned"
+    )
+    return "\n".join(lines)
+
+
+def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+  return f"{dtype.name}[{','.join(map(str, shape))}]"
+
+
+def _element_dtype(element: str) -> np.dtype:
+  if element in _MLIR_DTYPES:
+    return np.dtype(jnp.dtype(_MLIR_DTYPES[element]))
+  if match := re.fullmatch(r"(u?)i(\d+)", element):
+    unsigned, bits = match.groups()
+    return np.dtype(bool) if bits == "1" else np.dtype(f"{unsigned and 'u'}int{bits}")
+  # The float8 formats: 'f8E4M3FN' is ml_dtypes' 'float8_e4m3fn'.
+  return np.dtype(jnp.dtype(re.sub(r"^f8", "float8_", element).lower()))
+
+
+def _tensor(type_str: str) -> tuple[np.dtype, tuple[int, ...]]:
+  match = _TENSOR.fullmatch(type_str)
+  if match is None:
+    raise errors.MpxError(
+      f"mpx.audit cannot read the StableHLO operand type {type_str!r} (only statically "
+      "shaped tensors are supported); lower the function with concrete shapes."
+    )
+  dims, element = match.groups()
+  return _element_dtype(element), tuple(int(d) for d in dims.split("x") if d)
+
+
+def _dims(text: str, key: str) -> list[int]:
+  match = re.search(key + r" = \[([\d, ]*)\]", text)
+  return [int(d) for d in match.group(1).split(",") if d.strip()] if match else []
+
+
+def _gemm_dot(attrs: dict[str, str], lhs: tuple[int, ...], rhs: tuple[int, ...]):
+  numbers = attrs.get("dot_dimension_numbers", "")
+  lhs_batch, rhs_batch = (
+    _dims(numbers, "lhs_batching_dimensions"),
+    _dims(numbers, "rhs_batching_dimensions"),
+  )
+  lhs_contract = _dims(numbers, "lhs_contracting_dimensions")
+  rhs_contract = _dims(numbers, "rhs_contracting_dimensions")
+  if not numbers:  # stablehlo.dot: a plain matrix-vector or matrix-matrix product.
+    lhs_contract, rhs_contract = [len(lhs) - 1], [0]
+  batch = math.prod(lhs[d] for d in lhs_batch)
+  k = math.prod(lhs[d] for d in lhs_contract)
+  m = math.prod(s for d, s in enumerate(lhs) if d not in lhs_batch + lhs_contract)
+  n = math.prod(s for d, s in enumerate(rhs) if d not in rhs_batch + rhs_contract)
+  dims = {"M": m, "N": n, "K": k}
+  misaligned = tuple(f"{key}={v}" for key, v in dims.items() if v % _ALIGNMENT)
+  return (m, n, k), 2 * batch * m * n * k, misaligned
+
+
+def _gemm_conv(attrs: dict[str, str], rhs: tuple[int, ...], result: tuple[int, ...]):
+  # '#stablehlo.conv<[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]>': the kernel layout is the middle.
+  match = re.search(r"\]x\[([^\]]*)\]", attrs.get("dimension_numbers", ""))
+  if match is None:
+    raise errors.MpxError(
+      f"mpx.audit cannot read the convolution dimension numbers in {attrs!r}; please report "
+      "this with your jax version."
+    )
+  layout = [s.strip() for s in match.group(1).split(",")]
+  in_features = rhs[layout.index("i")]
+  out_features = rhs[layout.index("o")]
+  spatial = math.prod(rhs[d] for d, s in enumerate(layout) if s not in ("i", "o"))
+  k = spatial * in_features
+  n = out_features
+  m = math.prod(result) // max(n, 1)
+  misaligned = tuple(f"{key}={v}" for key, v in {"M": m, "N": n, "K": k}.items() if v % _ALIGNMENT)
+  return (m, n, k), 2 * math.prod(result) * k, misaligned
+
+
+def _location_name(location: str) -> str:
+  match = _LOC_NAME.match(location)
+  return match.group(1) if match else ""
+
+
+def _module_path(name: str, location: str) -> tuple[str, bool]:
+  """Returns ``(module path, is_backward)`` from a name stack and its location."""
+  segments, transforms = [], set()
+  for raw in name.split("/")[:-1]:  # The last segment is the primitive.
+    seg, wrappers = raw, []
+    while match := _WRAPPED.fullmatch(seg):
+      wrappers.append(match.group(1))
+      seg = match.group(2)
+    transforms.update(wrappers)
+    if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg:
+      continue  # A function name or an einsum spec, not a module.
+    if seg and seg not in _INTERNAL_SCOPES:
+      segments.append(seg)
+  if not segments:
+    # No module names on the name stack (NNX, plain functions): use the Python
+    # call stack that the location keeps, innermost frame first.
+    named = _LOC_NAME.match(location)
+    calls = _FRAME.findall(location[named.end() if named else 0 :])
+    frames: list[str] = []
+    for qualname in calls:
+      parts = qualname.split(".")
+      if len(parts) < 2 or not parts[-2][:1].isupper():
+        if frames:
+          break  # The first plain function outside the modules: the traced code.
+        continue  # A helper inside the innermost module, e.g. dot_product_attention.
+      label = parts[-2] if parts[-1] == "__call__" else f"{parts[-2]}.{parts[-1]}"
+      if not frames or frames[0] != label:
+        frames.insert(0, label)
+    if not frames and calls:
+      frames = calls[:1]  # A plain function: its innermost Python frame.
+    segments = frames
+  return "/".join(segments), "transpose" in transforms
+
+
+def _walk(op: Any) -> Iterator[Any]:
+  for region in op.regions:
+    for block in region.blocks:
+      for child in block.operations:
+        yield child.operation
+        yield from _walk(child.operation)
+
+
+def _attributes(op: Any) -> dict[str, str]:
+  return {op.attributes[i].name: str(op.attributes[i].attr) for i in range(len(op.attributes))}
+
+
+def _collect(module: Any) -> list[dict[str, Any]]:
+  """Returns the raw matmul records of a StableHLO module, names made absolute."""
+  functions: dict[str, list[Any]] = {}
+  for func in module.body.operations:
+    func = func.operation
+    if func.name == "func.func":
+      functions[_attributes(func)["sym_name"].strip('"')] = list(_walk(func))
+  # Private functions carry name stacks relative to their call site.
+  callers: dict[str, list[tuple[str, str]]] = {name: [] for name in functions}
+  for caller, ops in functions.items():
+    for op in ops:
+      if op.name == "func.call":
+        callee = _attributes(op)["callee"].lstrip("@")
+        callers.setdefault(callee, []).append((caller, _location_name(str(op.location))))
+  prefix: dict[str, str] = {}
+  count: dict[str, int] = {}
+
+  def resolve(func: str, seen: frozenset[str] = frozenset()) -> None:
+    if func in prefix:
+      return
+    sites = [(c, n) for c, n in callers.get(func, []) if c not in seen]
+    if not sites:
+      prefix[func], count[func] = "", 1
+      return
+    for caller, _ in sites:
+      resolve(caller, seen | {func})
+    caller, call_name = sites[0]
+    prefix[func] = "/".join(p for p in (prefix[caller], call_name) if p)
+    count[func] = sum(count[c] for c, _ in sites)
+
+  records = []
+  for func, ops in functions.items():
+    resolve(func)
+    for op in ops:
+      if op.name not in _KINDS:
+        continue
+      location = str(op.location)
+      name = "/".join(p for p in (prefix[func], _location_name(location)) if p)
+      records.append({"op": op, "name": name, "location": location, "count": count[func]})
+  return records
+
+
+def _record(raw: dict[str, Any]) -> MatmulOp:
+  op = raw["op"]
+  kind = _KINDS[op.name]
+  attrs = _attributes(op)
+  lhs_dtype, lhs_shape = _tensor(str(op.operands[0].type))
+  rhs_dtype, rhs_shape = _tensor(str(op.operands[1].type))
+  result_dtype, result_shape = _tensor(str(op.results[0].type))
+  if kind == "convolution":
+    gemm, flops, misaligned = _gemm_conv(attrs, rhs_shape, result_shape)
+  else:
+    gemm, flops, misaligned = _gemm_dot(attrs, lhs_shape, rhs_shape)
+  accumulation = re.search(r"accumulation_type = (\w+)", attrs.get("algorithm", ""))
+  module_path, is_backward = _module_path(raw["name"], raw["location"])
+  return MatmulOp(
+    kind=kind,
+    lhs_dtype=lhs_dtype,
+    rhs_dtype=rhs_dtype,
+    result_dtype=result_dtype,
+    accumulation_dtype=_element_dtype(accumulation.group(1)) if accumulation else None,
+    lhs_shape=lhs_shape,
+    rhs_shape=rhs_shape,
+    result_shape=result_shape,
+    gemm_dims=gemm,
+    flops=flops * raw["count"],
+    share=0.0,
+    module_path=module_path,
+    name=raw["name"],
+    is_backward=is_backward,
+    count=raw["count"],
+    misaligned=misaligned,
+  )
+
+
+def audit(
+  fn: Callable[..., Any] | jax.stages.Lowered, *args: Any, policy: Any = None, **kwargs: Any
+) -> AuditReport:
+  """Lists every matmul and convolution that ``fn(*args, **kwargs)`` runs, with dtypes.
+
+  The function is lowered, not compiled or run: ``jax.jit(fn).lower(*args,
+  **kwargs)`` (or ``fn.lower(...)`` when ``fn`` is already jitted, so its
+  static arguments are honoured; a ``jax.stages.Lowered`` is audited as is).
+  Arguments may be arrays or ``jax.ShapeDtypeStruct``\\ s. Audit a whole train
+  step, not just the forward pass: the backward products are where a
+  ``preferred_element_type=float32`` quietly turns into float32 x float32
+  GEMMs (paper section 3.3 wants half products accumulated in float32).
+
+  ``policy`` is keyword-only and is not passed to ``fn``; to audit a function
+  that itself takes a ``policy`` keyword, bind it with ``functools.partial``.
+
+  Args:
+    fn: the function to audit, plain or jitted.
+    *args: positional arguments for ``fn``.
+    policy: the precision policy ``fn`` is meant to follow (anything
+      :func:`mpx.get_policy` accepts). Under a half compute dtype, ops with
+      float32 operands are flagged ``f32`` in the table.
+    **kwargs: keyword arguments for ``fn``.
+
+  Returns:
+    An :class:`AuditReport`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import mpx
+    >>> def f(x, w):
+    ...   return jnp.tanh(x @ w.astype(x.dtype))
+    >>> x = jnp.ones((16, 32), jnp.bfloat16)
+    >>> report = mpx.audit(f, x, jnp.ones((32, 10)), policy="mixed_bfloat16")
+    >>> op = report.ops[0]
+    >>> op.lhs_dtype.name, op.gemm_dims, op.flops, op.misaligned
+    ('bfloat16', (16, 10, 32), 10240, ('N=10',))
+    >>> report.half_flops_share
+    1.0
+  """
+  lowered: Any
+  if isinstance(fn, jax.stages.Lowered):
+    lowered = fn
+  else:
+    lower = getattr(fn, "lower", None)  # Already jitted: keep its static arguments.
+    lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+  ops = [_record(raw) for raw in _collect(lowered.compiler_ir("stablehlo"))]
+  total = sum(op.flops for op in ops)
+  ops = [dataclasses.replace(op, share=op.flops / total if total else 0.0) for op in ops]
+  return AuditReport(
+    ops=tuple(ops),
+    policy=None if policy is None else policy_lib.get_policy(policy),
+    program_flops=total,
+  )

@@ -1,0 +1,198 @@
+"""Float32 kernels for half-precision models (paper section 3.3).
+
+Two things a layer's ``dtype`` cannot express:
+
+* :func:`softmax` and :func:`dot_product_attention`: attention whose two
+  matmuls run in the compute dtype while the softmax between them (a
+  reduction that overflows or loses mass in float16) runs in float32;
+* :func:`accumulate_in_float32`: a ``dot_general`` / ``conv_general_dilated``
+  that requests float32 accumulation explicitly, forward and backward, while
+  keeping half-precision operands and outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import errors
+
+
+def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, where: Any = None) -> jax.Array:
+  """Softmax computed in float32 and returned in the dtype of ``x``.
+
+  Use it in hand-written attention instead of ``jax.nn.softmax``: its exp and
+  sum are reductions that overflow or lose mass in float16 (paper section 3).
+
+  Args:
+    x: the logits, any floating dtype.
+    axis: the axis (or axes) to normalize over.
+    where: optional mask of elements to include, as in ``jax.nn.softmax``.
+
+  Returns:
+    The softmax of ``x``, in ``x.dtype``.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> mpx.softmax(jnp.zeros(4, jnp.float16))
+    Array([0.25, 0.25, 0.25, 0.25], dtype=float16)
+  """
+  wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
+  return jax.nn.softmax(x.astype(wide), axis=axis, where=where).astype(x.dtype)
+
+
+def dot_product_attention(
+  query: jax.Array,
+  key: jax.Array,
+  value: jax.Array,
+  bias: jax.Array | None = None,
+  mask: jax.Array | None = None,
+  broadcast_dropout: bool = True,
+  dropout_rng: jax.Array | None = None,
+  dropout_rate: float = 0.0,
+  deterministic: bool = False,
+  dtype: Any = None,
+  precision: Any = None,
+  module: Any = None,
+  is_causal: bool = False,
+  **unused: Any,
+) -> jax.Array:
+  """Flax-compatible attention whose softmax runs in float32.
+
+  A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
+  ``nnx.MultiHeadAttention``: both matmuls take ``dtype`` operands, the
+  softmax is :func:`softmax`. ``apply_policy`` installs it on attention layers
+  left at Flax's default when ``KeepRules.softmax_in_float32`` is set. (Flax's
+  own ``force_fp32_for_softmax`` leaves the weights in float32, so the
+  following matmul would run in float32.) ``module`` is accepted and ignored:
+  attention weights are not sown.
+
+  Args:
+    query: ``[batch..., q_length, heads, depth]``.
+    key: ``[batch..., kv_length, heads, depth]``.
+    value: ``[batch..., kv_length, heads, v_depth]``.
+    bias: optional additive bias, broadcastable to the weights.
+    mask: optional boolean mask, broadcastable to the weights.
+    broadcast_dropout: share the dropout mask over batch and heads.
+    dropout_rng: key for attention dropout.
+    dropout_rate: attention dropout rate.
+    deterministic: disable dropout.
+    dtype: the compute dtype (default: that of ``query``).
+    precision: matmul precision.
+    module: ignored.
+    is_causal: add a causal mask.
+    **unused: other arguments Flax may pass.
+
+  Returns:
+    ``[batch..., q_length, heads, v_depth]`` in ``dtype``.
+  """
+  del module, unused
+  dtype = jnp.dtype(dtype or query.dtype)
+  query, key, value = (t.astype(dtype) for t in (query, key, value))
+  query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
+  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+  if bias is not None:
+    logits = logits + bias.astype(dtype)
+  if is_causal:
+    causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
+    mask = causal if mask is None else jnp.logical_and(mask, causal)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(dtype).min)
+  weights = softmax(logits)
+  if not deterministic and dropout_rate > 0.0:
+    if dropout_rng is None:
+      raise errors.ConfigError(
+        f"Attention dropout (rate {dropout_rate}) needs a dropout_rng; pass one, or "
+        "deterministic=True."
+      )
+    keep_prob = 1.0 - dropout_rate
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
+    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
+    weights = jnp.where(keep, weights / jnp.asarray(keep_prob, dtype), jnp.zeros((), dtype))
+  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+
+
+_MATMULS = (jex.primitives.dot_general_p, jex.primitives.conv_general_dilated_p)
+
+
+def _eval_accumulating(closed: jex.ClosedJaxpr, *args: Any) -> list[Any]:
+  """Evaluates a jaxpr with every matmul/conv accumulating in float32."""
+  env: dict[Any, Any] = {}
+
+  def read(v: Any) -> Any:
+    return v.val if isinstance(v, jex.Literal) else env[v]
+
+  env.update(zip(closed.jaxpr.constvars, closed.consts, strict=True))
+  env.update(zip(closed.jaxpr.invars, args, strict=True))
+  for eqn in closed.jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    if eqn.primitive in _MATMULS:
+      out_dtype = eqn.outvars[0].aval.dtype
+      params = dict(eqn.params, preferred_element_type=np.dtype(jnp.float32))
+      outs = [eqn.primitive.bind(*invals, **params).astype(out_dtype)]
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in closed.jaxpr.outvars]
+
+
+def accumulate_in_float32(op: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+  """Wraps ``lax.dot_general`` or ``lax.conv_general_dilated`` to accumulate in float32.
+
+  The product is computed with ``preferred_element_type=float32`` and rounded
+  once to the operands' dtype (paper section 3.3, what cuBLAS does for half
+  operands, made explicit for every backend). A custom VJP keeps the backward
+  matmuls' operands in half precision and makes them accumulate in float32
+  too; plain ``preferred_element_type=float32`` would instead make both
+  backward matmuls float32 x float32.
+
+  Memory: the residuals saved for the backward pass are the half-precision
+  operands, exactly as without the wrapper; each matmul only needs a transient
+  float32 result buffer (twice the size of its half output) until it is
+  rounded, which XLA usually fuses into the matmul.
+
+  Args:
+    op: ``jax.lax.dot_general`` or ``jax.lax.conv_general_dilated``.
+
+  Returns:
+    A function with the signature of ``op``, usable as a Flax layer's
+    ``dot_general`` / ``conv_general_dilated`` argument.
+  """
+
+  @functools.wraps(op)
+  def wrapped(lhs: jax.Array, rhs: jax.Array, *args: Any, **kwargs: Any) -> jax.Array:
+    kwargs.pop("preferred_element_type", None)
+
+    def plain(a: jax.Array, b: jax.Array) -> jax.Array:
+      return op(a, b, *args, **kwargs)
+
+    @jax.custom_vjp
+    def product(a: jax.Array, b: jax.Array) -> jax.Array:
+      return _eval_accumulating(jax.make_jaxpr(plain)(a, b), a, b)[0]
+
+    def fwd(a: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+      return product(a, b), (a, b)
+
+    def bwd(res: tuple[jax.Array, jax.Array], g: jax.Array) -> tuple[jax.Array, jax.Array]:
+      def transposed(a: jax.Array, b: jax.Array, g: jax.Array) -> Any:
+        return jax.vjp(plain, a, b)[1](g)
+
+      a, b = res
+      ga, gb = _eval_accumulating(jax.make_jaxpr(transposed)(a, b, g), a, b, g)
+      return ga, gb
+
+    product.defvjp(fwd, bwd)
+    return product(lhs, rhs)
+
+  return wrapped
+
+
+dot_general_f32_accumulation = accumulate_in_float32(jax.lax.dot_general)
+conv_general_dilated_f32_accumulation = accumulate_in_float32(jax.lax.conv_general_dilated)

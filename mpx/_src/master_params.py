@@ -1,0 +1,352 @@
+"""Float32 master weights for half-precision params, as an optax wrapper.
+
+Paper section 3.1: a float16 weight of 1.0 does not move under an update
+smaller than half its ulp (``2**-11``), and bfloat16 loses everything below
+``2**-8``. :func:`with_master_params` keeps a float32 copy of every narrower
+floating param in the optimizer state, runs the inner transformation on float32
+gradients against those copies (so every moment it creates is float32 too),
+and returns updates that move each half-precision param to the cast of its new
+master.
+
+Exactness. ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)`` in the
+param dtype, so the wrapper returns ``u = cast(new_master) - p``, rounded to the
+param dtype. That sum lands exactly on ``cast(new_master)`` whenever the
+difference is representable, which Sterbenz's lemma guarantees when the old and
+new param are within a factor of two of each other (every ordinary training
+step), and always when either is zero or both are subnormal. It cannot be exact
+for every input: ``65504 -> -65504`` in float16 needs an update that overflows,
+``1 -> 2**-24`` (a subnormal) needs one with more bits than float16 has, and no sum
+``p + u`` with ``p != -0`` gives ``-0.0``. :func:`apply_updates` is exact
+for every input, because it reads the new masters from the optimizer state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors
+from mpx._src import tree as tree_lib
+
+
+class MasterParamsState(NamedTuple):
+  """State of :func:`with_master_params`.
+
+  Attributes:
+    master_params: a tree shaped like the params holding a ``master_dtype``
+      copy of every floating param narrower than ``master_dtype``, and
+      ``None`` for every other leaf (float32 params, integer params), which
+      are not copied. ``None`` is an empty subtree, so orbax and
+      ``jax.tree.map`` round trips keep it.
+    inner_state: the state of the inner transformation, whose moments have
+      the master dtype.
+  """
+
+  master_params: optax.Params
+  inner_state: optax.OptState
+
+
+def _is_none(x: Any) -> bool:
+  return x is None
+
+
+def can_hold(wide: np.dtype, narrow: np.dtype) -> bool:
+  """Returns whether every ``narrow`` value is exactly representable in ``wide``."""
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def _check_master_dtype(params: optax.Params, master_dtype: np.dtype) -> None:
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if not tree_lib.is_floating_array(leaf):
+      continue
+    if not can_hold(master_dtype, leaf.dtype):
+      raise errors.ConfigError(
+        f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, which "
+        f"master_dtype={master_dtype} cannot hold exactly: a master must be at least as "
+        "wide as its param. Pass master_dtype=jnp.float32 (the default), or "
+        f"master_dtype={leaf.dtype} when params wider than float32 are intended."
+      )
+
+
+def _has_master(leaf: Any, master_dtype: np.dtype) -> bool:
+  return tree_lib.is_floating_array(leaf) and leaf.dtype != master_dtype
+
+
+def check_masters(
+  master_params: optax.Params, params: optax.Params, master_dtype: np.dtype | None = None
+) -> None:
+  """Raises if ``master_params`` cannot be the masters of ``params``.
+
+  Every floating param narrower than ``master_dtype`` (every half-precision
+  param when ``master_dtype`` is not known) needs a master with the param's
+  shape and a wider dtype; other params have none. Runs on shapes and dtypes
+  only, so it costs nothing inside ``jit``.
+
+  Args:
+    master_params: the ``master_params`` field of a :class:`MasterParamsState`.
+    params: the params the state is used with.
+    master_dtype: the dtype every master must have, if known.
+
+  Raises:
+    StateError: naming the first leaf whose master is missing, superfluous, or
+      of the wrong shape or dtype, and how to rebuild a consistent state.
+  """
+  fix = (
+    "Restore the optimizer state together with the params it was saved with, using "
+    "jax.eval_shape(tx.init, params) as the restore target, or rebuild it with tx.init(params)."
+  )
+  try:
+    pairs = jax.tree_util.tree_flatten_with_path(master_params, is_leaf=_is_none)[0]
+    param_leaves = jax.tree.structure(master_params, is_leaf=_is_none).flatten_up_to(params)
+  except (ValueError, TypeError) as e:
+    raise errors.StateError(
+      f"The master params in the optimizer state do not have the tree structure of the "
+      f"params ({e}). {fix}"
+    ) from None
+  for (path, master), param in zip(pairs, param_leaves, strict=True):
+    where = f"params leaf {tree_lib.path_str(path)!r}"
+    if master_dtype is None:
+      wants_master = tree_lib.is_floating_array(param) and dtypes_lib.is_half(param.dtype)
+    else:
+      wants_master = _has_master(param, master_dtype)
+    if master is None:
+      if wants_master:
+        raise errors.StateError(
+          f"{where} has dtype {param.dtype} but the optimizer state holds no float32 master "
+          f"for it, so its small updates would be rounded away (paper section 3.1). {fix}"
+        )
+      continue
+    if not tree_lib.is_floating_array(param) or not tree_lib.is_floating_array(master):
+      raise errors.StateError(
+        f"{where} is {getattr(param, 'dtype', type(param).__name__)} and its master is "
+        f"{getattr(master, 'dtype', type(master).__name__)}; both must be floating arrays. {fix}"
+      )
+    wrong_dtype = master.dtype == param.dtype or (
+      master_dtype is not None and master.dtype != master_dtype
+    )
+    if master.shape != param.shape or wrong_dtype:
+      raise errors.StateError(
+        f"{where} is {param.dtype}{list(param.shape)} but its master is "
+        f"{master.dtype}{list(master.shape)}; a master has the param's shape and a wider "
+        f"dtype{'' if master_dtype is None else f' ({master_dtype})'}. {fix}"
+      )
+    if not can_hold(master.dtype, param.dtype):
+      raise errors.StateError(
+        f"{where} is {param.dtype} but its master is {master.dtype}, which cannot hold it "
+        f"(were the params restored under a different policy?). {fix}"
+      )
+
+
+def _follow_param_shardings(inner_state: optax.OptState, inner_params: optax.Params) -> Any:
+  """Places every param-shaped moment on its param's sharding (eager init only).
+
+  optax creates moments with ``jnp.zeros_like``, which does not keep the
+  param's sharding; under ``jit`` the shardings are not known while tracing,
+  so there the caller passes ``out_shardings`` instead.
+  """
+  leaves = jax.tree.leaves(inner_params)
+  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+  if not leaves or not all(isinstance(p, jax.Array) and not isinstance(p, tracer) for p in leaves):
+    return inner_state
+  structure = jax.tree.structure(inner_params)
+
+  def is_param_like(node: Any) -> bool:
+    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
+
+  def place(s: Any, p: jax.Array) -> Any:
+    if isinstance(s, jax.Array) and s.shape == p.shape:
+      return jax.device_put(s, p.sharding)
+    return s
+
+  return jax.tree.map(
+    lambda node: jax.tree.map(place, node, inner_params) if is_param_like(node) else node,
+    inner_state,
+    is_leaf=is_param_like,
+  )
+
+
+def with_master_params(
+  inner: optax.GradientTransformation,
+  *,
+  master_dtype: dtypes_lib.DTypeLike = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Keeps float32 master copies of half-precision params (paper section 3.1).
+
+  ``init(params)`` stores a ``master_dtype`` copy of every floating param
+  narrower than ``master_dtype``; params already in ``master_dtype`` and
+  integer params get no copy. ``update(grads, state, params)`` casts the
+  gradients to ``master_dtype``, runs ``inner`` against the masters (so its
+  moments are ``master_dtype``), adds the inner updates to the masters in
+  ``master_dtype``, and returns for each copied leaf the param-dtype update
+  ``cast(new_master) - param``. Params without a master get the inner updates
+  unchanged.
+
+  Use :func:`mpx.apply_updates` to apply them: it returns exactly
+  ``new_master.astype(param.dtype)`` for every leaf. ``optax.apply_updates``
+  gives the same values whenever each param changes by less than a factor of
+  two in a step (see the module docstring for the exceptions). Put loss
+  scaling outside this wrapper (``mpx.mixed_precision`` does), so that a
+  skipped step leaves the masters untouched.
+
+  Args:
+    inner: the optimizer to run in ``master_dtype``, e.g. ``optax.adamw(3e-4)``.
+    master_dtype: the dtype of masters, gradients and moments; at least as
+      wide as every floating param.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose ``update`` requires
+    ``params`` and forwards extra arguments to ``inner``.
+
+  Raises:
+    PolicyError: ``master_dtype`` is not a floating dtype mpx supports.
+    ConfigError: at ``init``, a floating param is wider than ``master_dtype``;
+      at ``update``, ``params`` is missing.
+    StateError: at ``update``, the state's masters do not fit the params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> params = {"w": jnp.ones(2, jnp.float16)}
+    >>> tx = mpx.with_master_params(optax.sgd(1.0))
+    >>> state = tx.init(params)
+    >>> for _ in range(10):
+    ...   grads = {"w": jnp.full(2, -1e-4, jnp.float16)}
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = mpx.apply_updates(params, updates, state)
+    >>> params["w"]  # plain optax.sgd would leave w at 1.0
+    Array([1.001, 1.001], dtype=float16)
+    >>> state.master_params["w"].dtype
+    dtype('float32')
+  """
+  master_dtype = dtypes_lib.parse_dtype(master_dtype)
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params: optax.Params) -> MasterParamsState:
+    _check_master_dtype(params, master_dtype)
+    masters = jax.tree.map(
+      lambda p: p.astype(master_dtype) if _has_master(p, master_dtype) else None, params
+    )
+    inner_params = jax.tree.map(
+      lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
+    )
+    inner_state = _follow_param_shardings(inner.init(inner_params), inner_params)
+    return MasterParamsState(masters, inner_state)
+
+  def update_fn(
+    updates: optax.Updates,
+    state: MasterParamsState,
+    params: optax.Params | None = None,
+    **extra_args: Any,
+  ) -> tuple[optax.Updates, MasterParamsState]:
+    if params is None:
+      raise errors.ConfigError(
+        "mpx.with_master_params needs the current params to return exact updates, but "
+        "update was called without them. Call tx.update(grads, opt_state, params)."
+      )
+    tree_lib.check_same_structure(updates, params, names=("gradients", "params"))
+    check_masters(state.master_params, params, master_dtype)
+    masters = state.master_params
+    inner_params = jax.tree.map(
+      lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
+    )
+    inner_grads = jax.tree.map(
+      lambda g, p: g.astype(p.dtype) if tree_lib.is_floating_array(g) and g.dtype != p.dtype else g,
+      updates,
+      inner_params,
+      is_leaf=_is_none,
+    )
+    inner_updates, inner_state = inner.update(
+      inner_grads, state.inner_state, inner_params, **extra_args
+    )
+    new_masters = jax.tree.map(
+      lambda m, u: None if m is None else m + u.astype(m.dtype),
+      masters,
+      inner_updates,
+      is_leaf=_is_none,
+    )
+
+    def to_param_update(m: Any, p: Any, u: Any) -> Any:
+      if m is None:
+        return u
+      # The difference of two param-dtype values is computed in the master
+      # dtype, where it is exact whenever it is representable at all.
+      return (m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype)).astype(p.dtype)
+
+    param_updates = jax.tree.map(
+      to_param_update, new_masters, params, inner_updates, is_leaf=_is_none
+    )
+    return param_updates, MasterParamsState(new_masters, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def _master_states(opt_state: optax.OptState) -> list[MasterParamsState]:
+  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterParamsState))
+  return [x for x in nodes if isinstance(x, MasterParamsState)]
+
+
+def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
+  """Returns the master params held in ``opt_state``, or ``None`` if it has none.
+
+  Args:
+    opt_state: any optimizer state, e.g. that of ``mpx.mixed_precision``.
+
+  Returns:
+    The ``master_params`` tree of the one :class:`MasterParamsState` inside
+    ``opt_state`` (``None`` at leaves without a master), or ``None``.
+
+  Raises:
+    StateError: ``opt_state`` holds more than one :class:`MasterParamsState`.
+  """
+  found = _master_states(opt_state)
+  if len(found) > 1:
+    raise errors.StateError(
+      f"The optimizer state holds {len(found)} MasterParamsState entries, so it is ambiguous "
+      "which masters the params follow. Wrap the whole optimizer in one "
+      "mpx.with_master_params (or mpx.mixed_precision) instead of each part."
+    )
+  return found[0].master_params if found else None
+
+
+def apply_updates(
+  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
+) -> optax.Params:
+  """Applies updates exactly: each param becomes the cast of its new master.
+
+  The drop-in replacement of ``optax.apply_updates`` for half-precision params
+  with float32 masters (layout (b)). For every leaf with a master in
+  ``opt_state`` it returns ``master.astype(param.dtype)`` bit for bit, which
+  ``optax.apply_updates`` cannot always do (see :func:`with_master_params`);
+  the update of such a leaf is not used. Every other leaf gets
+  ``(param + update).astype(param.dtype)`` as in optax. Without masters in
+  ``opt_state`` (float32 params, layout (a)) it is ``optax.apply_updates``.
+
+  Args:
+    params: the params the updates were computed for.
+    updates: the updates returned together with ``opt_state``.
+    opt_state: the NEW optimizer state returned by ``tx.update``.
+
+  Returns:
+    The new params, with the structure and dtypes of ``params``.
+
+  Raises:
+    StateError: ``opt_state`` holds masters that do not fit ``params``.
+    TreeStructureError: ``updates`` and ``params`` differ in structure.
+  """
+  masters = find_master_params(opt_state)
+  if masters is None:
+    return optax.apply_updates(params, updates)
+  tree_lib.check_same_structure(updates, params, names=("updates", "params"))
+  check_masters(masters, params)
+  return jax.tree.map(
+    lambda m, p, u: optax.apply_updates(p, u) if m is None else m.astype(p.dtype),
+    masters,
+    params,
+    updates,
+    is_leaf=_is_none,
+  )

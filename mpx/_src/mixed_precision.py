@@ -1,0 +1,195 @@
+"""One optimizer for mixed-precision training: loss scaling around master weights.
+
+:func:`mixed_precision` composes the pieces in the order of the paper's
+figure 1 (sections 3.1 and 3.2): unscale the gradients to float32, check that
+they are finite, then either skip the step (masters and moments untouched) or
+run the inner optimizer on the float32 masters, and cast the result back to
+the params' dtype. Loss scaling sits *outside* the master weights, so a skipped
+step never touches a master. :func:`check_state` validates a restored
+optimizer state against a policy, once, outside the train step.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors, loss_scaling
+from mpx._src import loss_scale as loss_scale_lib
+from mpx._src import master_params as master_params_lib
+from mpx._src import policy as policy_lib
+from mpx._src import tree as tree_lib
+
+LossScaleSpec = str | float | Callable[[optax.GradientTransformation], Any] | None
+
+_F16 = np.dtype(jnp.float16)
+
+
+def _loss_scaling(
+  spec: LossScaleSpec, policy: policy_lib.Policy
+) -> Callable[[optax.GradientTransformation], optax.GradientTransformationExtraArgs]:
+  if spec is None:
+    return loss_scaling.no_loss_scale
+  if spec == "dynamic":
+    if _F16 in (policy.compute_dtype, policy.param_dtype):
+      return loss_scaling.dynamic_loss_scale
+    return loss_scaling.no_loss_scale  # bfloat16 and float32 gradients do not underflow
+  if isinstance(spec, str):
+    if spec not in loss_scale_lib.PRESETS:
+      raise errors.ConfigError(
+        f"Unknown loss_scale {spec!r}. Pass 'dynamic', a preset name "
+        f"({', '.join(loss_scale_lib.PRESETS)}), a positive float for a static scale, "
+        "None for no scaling, or a function such as "
+        "functools.partial(mpx.dynamic_loss_scale, growth_interval=500)."
+      )
+    return lambda inner: loss_scaling.dynamic_loss_scale(inner, preset=spec)
+  if isinstance(spec, numbers.Real) and not isinstance(spec, bool):
+    return lambda inner: loss_scaling.static_loss_scale(inner, float(spec))
+  if callable(spec):
+    return spec
+  raise errors.ConfigError(
+    f"loss_scale={spec!r} of type {type(spec).__name__} is not understood. Pass 'dynamic', a "
+    "preset name, a positive float (static), None, or a function wrapping a transformation."
+  )
+
+
+def mixed_precision(
+  inner: optax.GradientTransformation,
+  policy: policy_lib.Policy | str,
+  *,
+  loss_scale: LossScaleSpec = "dynamic",
+  master_dtype: dtypes_lib.DTypeLike | None = jnp.float32,
+) -> optax.GradientTransformationExtraArgs:
+  """Wraps an optax optimizer for training under a precision policy.
+
+  Builds ``loss_scale(with_master_params(inner))``: gradients of the scaled
+  loss are unscaled to float32 and checked; a non-finite step is skipped with
+  the masters and moments untouched; otherwise ``inner`` runs on float32
+  gradients against float32 masters and the new masters are cast back to the
+  params' dtype (paper sections 3.1 and 3.2). Use it with
+  ``mpx.value_and_grad(loss_fn, opt_state)`` and :func:`mpx.apply_updates`.
+
+  Two layouts (see ``docs/memory.md`` for bytes per parameter):
+
+  * (a) ``param_dtype=float32`` (``"mixed_float16"``, ``"mixed_bfloat16"``):
+    params are cast to the compute dtype in the forward pass; no masters are
+    kept, since the params already are float32.
+  * (b) half ``param_dtype`` (``"params=float16,compute=float16,..."``):
+    float32 masters live in the optimizer state; the forward and backward
+    read half the bytes.
+
+  ``loss_scale="dynamic"`` picks dynamic scaling when the compute or param
+  dtype is float16, and ``mpx.no_loss_scale`` (a no-op with the same state)
+  for bfloat16 and float32, so one train step serves every policy.
+
+  Args:
+    inner: the optimizer, e.g. ``optax.adamw(3e-4)``.
+    policy: an :class:`mpx.Policy` or a spec for :func:`mpx.get_policy`.
+    loss_scale: ``"dynamic"``; a preset name such as ``"torch"`` or
+      ``"flax"`` (dynamic scaling with that framework's rule, whatever the
+      policy); a positive float (a static scale); ``None`` (no scaling); or
+      a function ``inner -> transformation`` such as
+      ``functools.partial(mpx.dynamic_loss_scale, growth_interval=500)``.
+    master_dtype: the dtype of masters and moments for half params; ``None``
+      disables masters, which loses small updates (a ``PrecisionWarning``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is an
+    ``mpx.LossScaleState``, holding an :class:`mpx.MasterParamsState` in
+    layout (b). ``update`` requires ``params``.
+
+  Raises:
+    PolicyError: ``policy`` or ``master_dtype`` cannot be parsed.
+    ConfigError: ``loss_scale`` is not understood or out of range.
+
+  Warns:
+    PrecisionWarning: at ``init``, when half-precision params meet
+    ``master_dtype=None`` (every loss-scaling transformation checks this).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.mixed_precision(optax.sgd(1.0), "params=float16,compute=float16")
+    >>> params = {"w": jnp.ones(2, jnp.float16)}
+    >>> state = tx.init(params)
+    >>> scale = mpx.get_loss_scale(state)
+    >>> grads = {"w": jnp.full(2, -1e-4 * scale, jnp.float16)}  # scaled gradients
+    >>> updates, state = tx.update(grads, state, params)
+    >>> mpx.apply_updates(params, updates, state)["w"].dtype, state.inner_state.master_params["w"]
+    (dtype('float16'), Array([1.0001, 1.0001], dtype=float32))
+  """
+  policy = policy_lib.get_policy(policy)
+  tx = inner
+  if dtypes_lib.is_half(policy.param_dtype) and master_dtype is not None:
+    tx = master_params_lib.with_master_params(tx, master_dtype=master_dtype)
+  return _loss_scaling(loss_scale, policy)(tx)
+
+
+def check_state(
+  opt_state: optax.OptState,
+  params: optax.Params,
+  policy: policy_lib.Policy | str,
+  *,
+  master_dtype: dtypes_lib.DTypeLike | None = jnp.float32,
+) -> None:
+  """Raises if restored params and optimizer state do not fit ``policy``.
+
+  Call it once after restoring a checkpoint (it reads shapes and dtypes only).
+  ``tx.update`` checks the masters against the params too, at trace time; this
+  also checks the params against the policy, and catches a state restored
+  without its masters before any step runs.
+
+  Args:
+    opt_state: the restored optimizer state.
+    params: the restored params.
+    policy: the policy the run trains with.
+    master_dtype: as passed to :func:`mixed_precision`; ``None`` if masters
+      are disabled.
+
+  Returns:
+    ``None`` when the state fits the policy.
+
+  Raises:
+    StateError: a floating param narrower than the policy's param dtype;
+      half-precision params in the policy but none in ``params``; masters
+      missing, superfluous or of the wrong shape or dtype.
+  """
+  policy = policy_lib.get_policy(policy)
+  want = policy.param_dtype
+  floating = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    if tree_lib.is_floating_array(leaf)
+  ]
+  for path, leaf in floating:
+    if not master_params_lib.can_hold(leaf.dtype, want):
+      raise errors.StateError(
+        f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, but the policy "
+        f"({policy}) stores params in {want}. Restore with a target built under this policy "
+        "(jax.eval_shape of the model init and tx.init), or train with the policy the "
+        "checkpoint was saved under."
+      )
+  if dtypes_lib.is_half(want) and floating and all(leaf.dtype != want for _, leaf in floating):
+    raise errors.StateError(
+      f"The policy ({policy}) stores params in {want}, but every floating param is wider "
+      "(this checkpoint was saved by a run with float32 params). Cast them with "
+      "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
+      "checkpoint's policy."
+    )
+  masters = master_params_lib.find_master_params(opt_state)
+  if masters is None:
+    if master_dtype is not None and any(dtypes_lib.is_half(leaf.dtype) for _, leaf in floating):
+      raise errors.StateError(
+        f"The params have {want} leaves but the optimizer state holds no master params, so "
+        "the float32 masters were lost (paper section 3.1). Restore the optimizer state with "
+        "jax.eval_shape(tx.init, params) as the target, where tx = mpx.mixed_precision(...)."
+      )
+    return
+  expected = None if master_dtype is None else dtypes_lib.parse_dtype(master_dtype)
+  master_params_lib.check_masters(masters, params, expected)

@@ -1,0 +1,281 @@
+"""Tests for mpx.audit: the StableHLO matmul/convolution dtype report."""
+
+from __future__ import annotations
+
+import ast
+import functools
+import math
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import mpx
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _matmul(x, w):
+  return x @ w
+
+
+@pytest.mark.parametrize("jit", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dot_records_dtypes_shapes_and_flops(dtype, jit):
+  fn = jax.jit(_matmul) if jit else _matmul
+  report = mpx.audit(fn, jnp.ones((16, 32), dtype), jnp.ones((32, 24), dtype))
+
+  (op,) = report.ops
+  assert op.kind == "dot_general"
+  assert op.lhs_dtype == op.rhs_dtype == op.result_dtype == np.dtype(dtype)
+  assert (op.lhs_shape, op.rhs_shape, op.result_shape) == ((16, 32), (32, 24), (16, 24))
+  assert op.gemm_dims == (16, 24, 32)
+  assert op.flops == report.total_flops == report.program_flops == 2 * 16 * 24 * 32
+  assert op.share == 1.0
+  assert op.misaligned == ()
+  assert not op.is_backward
+  assert op.count == 1
+  half = dtype != jnp.float32
+  assert op.is_half == half
+  assert report.half_flops_share == (1.0 if half else 0.0)
+  assert len(report.float32_ops) == (0 if half else 1)
+
+
+def test_batched_einsum_counts_batch_in_flops():
+  q, k = jnp.ones((3, 8, 24), jnp.bfloat16), jnp.ones((3, 16, 24), jnp.bfloat16)
+  (op,) = mpx.audit(lambda q, k: jnp.einsum("bqd,bkd->bqk", q, k), q, k).ops
+
+  assert op.gemm_dims == (8, 16, 24)
+  assert op.flops == 2 * 3 * 8 * 16 * 24
+
+
+def test_grouped_convolution_flops_and_dims():
+  def conv(x, kernel):
+    return jax.lax.conv_general_dilated(
+      x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=2
+    )
+
+  x, kernel = jnp.ones((2, 8, 8, 16), jnp.float16), jnp.ones((3, 3, 8, 32), jnp.float16)
+  (op,) = mpx.audit(conv, x, kernel).ops
+
+  assert op.kind == "convolution"
+  assert op.result_shape == (2, 8, 8, 32)
+  # Each output element: a 3x3 window over the 8 input features of its group.
+  assert op.flops == 2 * (2 * 8 * 8 * 32) * (3 * 3 * 8)
+  assert op.gemm_dims == (2 * 8 * 8, 32, 3 * 3 * 8)
+  assert op.is_half
+
+
+def test_misaligned_dims_are_flagged():
+  report = mpx.audit(_matmul, jnp.ones((10, 32), jnp.bfloat16), jnp.ones((32, 24), jnp.bfloat16))
+
+  assert report.misaligned_ops[0].misaligned == ("M=10",)
+  assert "align:M=10" in str(report)
+
+
+class _Mlp(nn.Module):
+  dtype: jnp.dtype | None = jnp.bfloat16
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(32, dtype=self.dtype, name="up")(x))
+    return nn.Dense(8, dtype=self.dtype, name="down")(x)
+
+
+def _mlp_grad(model, x):
+  params = model.init(jax.random.key(0), x)["params"]
+
+  def loss(params):
+    return jnp.square(model.apply({"params": params}, x).astype(jnp.float32)).sum()
+
+  return jax.grad(loss), params
+
+
+def test_linen_module_paths_and_backward_ops():
+  grad, params = _mlp_grad(_Mlp(), jnp.ones((16, 24), jnp.bfloat16))
+  report = mpx.audit(grad, params, policy="mixed_bfloat16")
+
+  forward = report.filter(backward=False)
+  assert [op.module_path for op in forward.ops] == ["_Mlp/up", "_Mlp/down"]
+  # up: a weight gradient; down: a weight and an input gradient.
+  assert sorted(op.module_path for op in report.backward_ops) == [
+    "_Mlp/down",
+    "_Mlp/down",
+    "_Mlp/up",
+  ]
+  assert len(report.filter(r"/up$").ops) == 2
+  assert len(report.exclude("down").ops) == 2
+  assert report.half_flops_share == 1.0
+  assert not report.float32_ops
+
+
+def test_layer_left_at_dtype_none_runs_float32_products_and_is_flagged():
+  # The trap: float32 params promote bfloat16 inputs, the GEMMs run in float32.
+  # Strict promotion (our tests' setting) would refuse; users' default allows it.
+  with jax.numpy_dtype_promotion("standard"):
+    grad, params = _mlp_grad(_Mlp(dtype=None), jnp.ones((16, 24), jnp.bfloat16))
+    flagged = mpx.audit(grad, params, policy="mixed_bfloat16")
+    unflagged = mpx.audit(grad, params)
+
+  assert flagged.half_flops_share == 0.0
+  assert len(flagged.float32_ops) == len(flagged.ops) == 5
+  assert all("f32" in flagged.flags(op) for op in flagged.ops)
+  assert " f32" in str(flagged)
+  assert len(unflagged.float32_ops) == 5
+  assert not any("f32" in unflagged.flags(op) for op in unflagged.ops)
+
+
+def test_preferred_element_type_float32_does_not_survive_the_backward_pass():
+  def loss(x, w):
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    return jnp.sum(y * y)
+
+  x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+  report = mpx.audit(jax.grad(loss, argnums=(0, 1)), x, w, policy="mixed_bfloat16")
+
+  (forward,) = report.filter(backward=False).ops
+  assert (forward.lhs_dtype, forward.rhs_dtype, forward.result_dtype) == (
+    np.dtype(jnp.bfloat16),
+    np.dtype(jnp.bfloat16),
+    np.dtype(jnp.float32),
+  )
+  backward = report.filter(backward=True)
+  assert len(backward.ops) == 2
+  assert backward.float32_ops == backward.ops  # The float32 cotangent meets the half operand.
+
+
+def test_scan_body_counted_once_and_checkpoint_recomputation_is_backward():
+  def f(ws, x):
+    @jax.checkpoint
+    def layer(h, w):
+      return jnp.tanh(h @ w), None
+
+    return jax.lax.scan(layer, x, ws)[0].sum()
+
+  report = mpx.audit(jax.grad(f), jnp.ones((5, 16, 16)), jnp.ones((8, 16)))
+
+  # One forward product, and in the backward body: its recomputation plus the
+  # two gradient products; the 5 iterations are not multiplied in.
+  assert len(report.filter(backward=False).ops) == 1
+  assert len(report.backward_ops) == 3
+  assert all(op.count == 1 for op in report.ops)
+  assert report.total_flops == 4 * 2 * 8 * 16 * 16
+  assert all(op.module_path.endswith("layer") for op in report.ops)
+
+
+def test_called_function_counted_once_per_call_site():
+  inner = jax.jit(_matmul)
+
+  def f(x, w):
+    return inner(x, w) + inner(jnp.sin(x), w)
+
+  (op,) = mpx.audit(f, jnp.ones((8, 16)), jnp.ones((16, 8))).ops
+
+  assert op.count == 2
+  assert op.flops == 2 * (2 * 8 * 8 * 16)
+
+
+def test_nnx_module_path_comes_from_the_call_stack():
+  class Tower(nnx.Module):
+    def __init__(self, rngs):
+      self.proj = nnx.Linear(16, 8, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+      return self.proj(x)
+
+  graphdef, state = nnx.split(Tower(nnx.Rngs(0)))
+  report = mpx.audit(lambda s, x: nnx.merge(graphdef, s)(x), state, jnp.ones((8, 16), jnp.float16))
+
+  (op,) = report.ops
+  assert op.module_path == "Tower/Linear"
+  assert op.is_half
+
+
+def test_accepts_jitted_with_static_args_lowered_and_shape_structs():
+  @functools.partial(jax.jit, static_argnums=2)
+  def f(x, w, transpose):
+    return x @ (w.T if transpose else w)
+
+  spec_x = jax.ShapeDtypeStruct((8, 16), jnp.bfloat16)
+  spec_w = jax.ShapeDtypeStruct((24, 16), jnp.bfloat16)
+  from_jitted = mpx.audit(f, spec_x, spec_w, True)
+  from_lowered = mpx.audit(f.lower(spec_x, spec_w, True))
+
+  assert from_jitted.ops == from_lowered.ops
+  assert from_jitted.ops[0].gemm_dims == (8, 24, 16)
+
+
+def test_accepts_an_nnx_jit_train_step():
+  model = nnx.Linear(16, 8, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    def loss(model):
+      return jnp.square(model(x).astype(jnp.float32)).mean()
+
+    grads = nnx.grad(loss)(model)
+    optimizer.update(model, grads)
+
+  report = mpx.audit(step, model, optimizer, jnp.ones((8, 16), jnp.bfloat16))
+
+  assert [op.is_backward for op in report.ops] == [False, True]
+  assert report.half_flops_share == 1.0
+  assert {op.module_path for op in report.ops} == {"Linear"}
+
+
+def test_kwargs_go_to_fn_and_policy_does_not():
+  def f(x, *, w):
+    return x @ w
+
+  report = mpx.audit(f, jnp.ones((8, 8)), w=jnp.ones((8, 16)), policy="mixed_float16")
+
+  assert report.ops[0].result_shape == (8, 16)
+  assert report.policy == mpx.get_policy("mixed_float16")
+
+
+def test_report_without_matmuls_has_nan_half_share():
+  report = mpx.audit(jnp.sin, jnp.ones(4))
+
+  assert report.ops == ()
+  assert math.isnan(report.half_flops_share)
+  assert "0 ops" in str(report)
+
+
+def test_unknown_policy_raises_policy_error():
+  with pytest.raises(mpx.PolicyError, match="mixed_bf16"):
+    mpx.audit(_matmul, jnp.ones((8, 8)), jnp.ones((8, 8)), policy="mixed_bf16")
+
+
+def test_str_is_a_table_with_a_summary():
+  report = mpx.audit(
+    _matmul,
+    jnp.ones((16, 32), jnp.bfloat16),
+    jnp.ones((32, 8)).astype(jnp.bfloat16),
+    policy="mixed_bfloat16",
+  )
+  lines = str(report).splitlines()
+
+  assert lines[0].split() == [
+      "#", "kind", "pass", "module", "lhs", "rhs", "result", "MFLOP", "share", "flags"
+  ]  # fmt: skip
+  assert "bfloat16[16,32]" in lines[2] and "100.0%" in lines[2]
+  assert lines[-1].startswith("policy params=float32,compute=bfloat16,output=float32; 1 ops")
+
+
+def test_audit_module_imports_neither_flax_nor_optax():
+  source = pathlib.Path(mpx.audit.__code__.co_filename).read_text()
+  imported = set()
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Import):
+      imported.update(alias.name.split(".")[0] for alias in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      imported.add(node.module.split(".")[0])
+
+  assert imported <= {"__future__", "collections", "dataclasses", "jax", "math", "mpx", "numpy",
+                      "re", "typing"}  # fmt: skip

@@ -1,0 +1,455 @@
+"""Loss-scaling transformations: unscaling, the atomic skip, composition, state, errors."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import mpx
+
+F16, BF16, F32 = jnp.float16, jnp.bfloat16, jnp.float32
+NAN = float("nan")
+
+
+def _bits_equal(a, b):
+  """Asserts two trees are bitwise identical (NaN payloads and -0.0 included)."""
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb, strict=True):
+    x, y = np.asarray(x), np.asarray(y)
+    assert x.dtype == y.dtype and x.shape == y.shape
+    assert x.tobytes() == y.tobytes(), (x, y)
+
+
+def _params(dtype=F32):
+  return {
+    "dense": {"kernel": jnp.array([[0.5, -1.0], [2.0, -0.0]], dtype), "bias": jnp.zeros(2, dtype)},
+    "scale": jnp.array([1.5, -0.0, 3.0], dtype),
+  }
+
+
+def _grads(scale, dtype=F32, bad=None):
+  g = {
+    "dense": {"kernel": jnp.array([[0.25, -0.5], [0.125, 1.0]]), "bias": jnp.array([0.5, -0.25])},
+    "scale": jnp.array([0.75, 0.0, -2.0]),
+  }
+  g = jax.tree.map(lambda x: (x * scale).astype(dtype), g)
+  if bad is not None:
+    g["scale"] = g["scale"].at[1].set(bad)
+  return g
+
+
+def _std(tx):
+  """Runs an optax transformation under standard promotion.
+
+  optax's own adam bias correction and MultiSteps raise a Python float to an
+  int32 count, which strict promotion rejects; mpx's code stays strict.
+  """
+
+  def update(updates, state, params=None, **extra_args):
+    with jax.numpy_dtype_promotion("standard"):
+      return tx.update(updates, state, params, **extra_args)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def _maybe_jit(fn, use_jit):
+  return jax.jit(fn) if use_jit else fn
+
+
+# Half params without masters on purpose: only the dtypes of the hand-off are under test.
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_unscales_in_float32_and_returns_param_dtype(dtype, use_jit):
+  seen = []
+
+  def record(updates, params):
+    del params
+    seen.extend(u.dtype for u in jax.tree.leaves(updates))
+    return jax.tree.map(lambda u: -u, updates)
+
+  tx = mpx.dynamic_loss_scale(optax.stateless(record), initial_scale=2.0**10)
+  params = _params(dtype)
+  updates, state = _maybe_jit(tx.update, use_jit)(_grads(2.0**10, dtype), tx.init(params), params)
+  assert set(seen) == {np.dtype(F32)}
+  want = jax.tree.map(lambda g: -np.asarray(g, np.float32), _grads(1.0, dtype))
+  for u, w, p in zip(
+    jax.tree.leaves(updates), jax.tree.leaves(want), jax.tree.leaves(params), strict=True
+  ):
+    assert u.dtype == p.dtype
+    np.testing.assert_array_equal(np.asarray(u, np.float32), w)  # exact: power-of-two scale
+  new = optax.apply_updates(params, updates)  # strict promotion: dtypes must already match
+  assert jax.tree.map(lambda x: x.dtype, new) == jax.tree.map(lambda x: x.dtype, params)
+  assert int(state.skipped_steps) == 0 and int(state.growth_tracker) == 1
+
+
+def test_unscaling_is_exact_at_the_largest_power_of_two():
+  # jmp multiplies by 1/scale, a subnormal at 2**127 that flushes to zero.
+  tx = mpx.static_loss_scale(optax.sgd(1.0), 2.0**127)
+  params = {"w": jnp.zeros(2)}
+  grads = {"w": jnp.array([1.5, 2.0**-20], F32) * jnp.float32(2.0**127)}
+  updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["w"], [-1.5, -(2.0**-20)])
+
+
+def _adamw_chain():
+  schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
+  return optax.chain(optax.clip_by_global_norm(1.0), _std(optax.adamw(schedule, weight_decay=0.1)))
+
+
+def _run(tx, params, state, grads_seq, use_jit=True):
+  step = _maybe_jit(tx.update, use_jit)
+  for g in grads_seq:
+    updates, state = step(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return params, state
+
+
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("bad", [NAN, float("inf"), -float("inf")])
+@pytest.mark.parametrize(
+  "make_inner",
+  [_adamw_chain, lambda: optax.chain(_adamw_chain(), _std(optax.ema(0.9)))],
+  ids=["adamw-schedule", "adamw-ema"],
+)
+def test_skip_is_bitwise_identity(make_inner, bad, use_jit):
+  tx = mpx.dynamic_loss_scale(make_inner(), initial_scale=2.0**8)
+  params = _params()
+  params, state = _run(tx, params, tx.init(params), [_grads(2.0**8)] * 3, use_jit)
+  updates, new_state = _maybe_jit(tx.update, use_jit)(_grads(2.0**8, bad=bad), state, params)
+  _bits_equal(optax.apply_updates(params, updates), params)  # -0.0 params stay -0.0
+  _bits_equal(new_state.inner_state, state.inner_state)  # moments, count, EMA
+  counts = optax.tree_utils.tree_get_all_with_path(new_state, "count")
+  assert len(counts) >= 2 and all(int(c) == 3 for _, c in counts)  # schedule did not advance
+  assert float(new_state.loss_scale) == 2.0**7
+  assert (int(new_state.skipped_steps), int(new_state.consecutive_skips)) == (1, 1)
+
+
+def test_clipping_sees_unscaled_gradients():
+  inner = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  scale = 2.0**12
+  grads = {"w": jnp.array([0.3, -0.4])}  # true norm 0.5: not clipped
+  params = {"w": jnp.zeros(2)}
+  tx = mpx.dynamic_loss_scale(inner, initial_scale=scale)
+  updates, _ = tx.update(jax.tree.map(lambda g: g * scale, grads), tx.init(params), params)
+  np.testing.assert_array_equal(updates["w"], -grads["w"])
+  # Clipping the scaled gradients, then unscaling, would shrink them to norm 1 / scale.
+  naive, _ = inner.update(jax.tree.map(lambda g: g * scale, grads), inner.init(params), params)
+  assert not np.allclose(naive["w"] / scale, updates["w"])
+
+
+def test_multisteps_inside_skips_one_mini_step_and_allows_scale_changes():
+  k, inner = 3, _std(optax.MultiSteps(optax.adam(0.1), every_k_schedule=3))
+  tx = mpx.dynamic_loss_scale(inner, initial_scale=4.0, growth_interval=1)
+  params = {"w": jnp.array([1.0, -2.0])}
+  true = [jnp.array([0.5, 1.0]), jnp.array([-0.25, 0.5]), jnp.array([1.0, 2.0])]
+  state, step = tx.init(params), jax.jit(tx.update)
+  updates = None
+  for i, g in enumerate(true):
+    scale = mpx.get_loss_scale(state)
+    assert float(scale) == 4.0 * 2**i  # grows every finite step, mid-window
+    before = state
+    updates, state = step({"w": jnp.array([NAN, 1.0])}, state, params)  # a bad mini-batch
+    _bits_equal(state.inner_state, before.inner_state)  # mini_step, acc_grads, adam state
+    _bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+    state = state._replace(loss_scale=before.loss_scale, growth_tracker=before.growth_tracker)
+    updates, state = step({"w": g * scale}, state, params)
+  ref = _std(optax.MultiSteps(optax.adam(0.1), every_k_schedule=k))
+  ref_state = ref.init(params)
+  for g in true:
+    ref_updates, ref_state = ref.update({"w": g}, ref_state, params)
+  np.testing.assert_array_equal(updates["w"], ref_updates["w"])
+  assert int(state.skipped_steps) == 3
+
+
+def test_multisteps_outside_skips_the_window_with_a_constant_scale():
+  tx = _std(optax.MultiSteps(mpx.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0), 2))
+  params = {"w": jnp.array([1.0, -2.0])}
+  state = tx.init(params)
+  adam_before = mpx.loss_scale_metrics(state)
+  _, state = tx.update({"w": jnp.array([8.0, NAN])}, state, params)
+  assert float(mpx.get_loss_scale(state)) == 8.0  # constant within the window
+  updates, state = tx.update({"w": jnp.array([8.0, 8.0])}, state, params)
+  _bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})  # the whole window is lost
+  assert float(mpx.get_loss_scale(state)) == 4.0
+  assert int(mpx.loss_scale_metrics(state)["skipped_steps"]) == 1
+  assert adam_before.keys() == mpx.loss_scale_metrics(state).keys()
+  assert int(optax.tree_utils.tree_get(state.inner_opt_state.inner_state, "count")) == 0
+
+
+def test_inject_hyperparams_inside():
+  inner = optax.inject_hyperparams(optax.sgd)(learning_rate=0.5)
+  tx = mpx.dynamic_loss_scale(inner, initial_scale=2.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  state.inner_state.hyperparams["learning_rate"] = jnp.asarray(0.25)
+  updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 4.0])}, state, params)
+  np.testing.assert_array_equal(updates["w"], [-0.25, -0.5])
+  assert float(mpx.get_loss_scale(state)) == 2.0
+
+
+@pytest.mark.parametrize(
+  "wrap",
+  [
+    lambda ls: optax.chain(optax.scale(1.0), ls),
+    lambda ls: optax.named_chain(("decay", optax.add_decayed_weights(0.0)), ("ls", ls)),
+    lambda ls: optax.MultiSteps(ls, 2),
+    lambda ls: optax.masked(ls, {"w": True}),
+    lambda ls: optax.inject_hyperparams(lambda lr: optax.chain(optax.scale(lr), ls))(lr=1.0),
+  ],
+  ids=["chain", "named_chain", "multisteps", "masked", "inject_hyperparams"],
+)
+def test_get_loss_scale_finds_nested_state(wrap):
+  tx = wrap(mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=64.0))
+  state = tx.init({"w": jnp.ones(2)})
+  assert float(mpx.get_loss_scale(state)) == 64.0
+  assert float(jax.jit(mpx.get_loss_scale)(state)) == 64.0
+
+
+def test_get_loss_scale_errors():
+  with pytest.raises(mpx.StateError, match="contains none"):
+    mpx.get_loss_scale(optax.adam(1.0).init({"w": jnp.ones(2)}))
+  nested = mpx.dynamic_loss_scale(mpx.static_loss_scale(optax.sgd(1.0), 2.0))
+  with pytest.raises(mpx.StateError, match=r"contains 2, at '<root>', 'inner_state'"):
+    mpx.get_loss_scale(nested.init({"w": jnp.ones(2)}))
+
+
+def test_donated_buffers_and_no_retrace():
+  tx = mpx.dynamic_loss_scale(_adamw_chain(), initial_scale=2.0**8)
+  traces = []
+
+  @jax.jit
+  def step(params, state, grads):
+    traces.append(1)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  donating = jax.jit(step, donate_argnums=(0, 1))
+  params = _params()
+  state = tx.init(params)
+  for bad in [None, NAN, None, float("inf"), None]:
+    params, state = donating(params, state, _grads(mpx.get_loss_scale(state), bad=bad))
+  assert len(traces) == 1
+  assert int(state.skipped_steps) == 2
+
+
+@pytest.mark.parametrize(
+  "tx",
+  [
+    mpx.dynamic_loss_scale(_std(optax.adamw(1e-3))),
+    mpx.static_loss_scale(_std(optax.adamw(1e-3)), 2.0**4),
+    mpx.no_loss_scale(_std(optax.adamw(1e-3))),
+  ],
+  ids=["dynamic", "static", "none"],
+)
+def test_state_is_stable_under_cond(tx):
+  params = _params()
+  state = tx.init(params)
+  grads = _grads(1.0, bad=NAN)
+  new = jax.lax.cond(True, lambda: tx.update(grads, state, params)[1], lambda: state)
+  assert jax.tree.map(lambda x: (x.dtype, x.shape), new) == jax.tree.map(
+    lambda x: (x.dtype, x.shape), state
+  )
+  assert state.loss_scale.dtype == F32 and state.diverged.dtype == jnp.bool_
+  assert state.skipped_steps.dtype == jnp.int32 and state.growth_tracker.dtype == jnp.int32
+
+
+def _stepped_state():
+  tx = mpx.dynamic_loss_scale(_std(optax.adam(0.1)), preset="deepspeed", min_scale=2.0**14)
+  params = _params()
+  state = tx.init(params)
+  for bad in [None, NAN, NAN, NAN, NAN, None]:
+    _, state = tx.update(_grads(2.0**10, bad=bad), state, params)
+  assert bool(state.diverged) and int(state.consecutive_skips) == 0
+  return state
+
+
+def test_tree_round_trips_keep_every_field():
+  state = _stepped_state()
+  _bits_equal(jax.tree.map(lambda x: x, state), state)
+  leaves, treedef = jax.tree.flatten(state)
+  again = jax.tree.unflatten(treedef, leaves)
+  assert type(again) is mpx.LossScaleState
+  _bits_equal(again, state)
+
+
+def test_orbax_round_trip(tmp_path):
+  ocp = pytest.importorskip("orbax.checkpoint")
+  state = _stepped_state()
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "state", state)
+    ckpt.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    restored = ckpt.restore(tmp_path / "state", abstract)
+  assert type(restored) is mpx.LossScaleState
+  _bits_equal(restored, state)
+
+
+def test_mismatched_grads_name_the_path():
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0))
+  params = _params()
+  grads = {"dense": {"kernel": jnp.ones((2, 2)), "b": jnp.ones(2)}, "scale": jnp.ones(3)}
+  with pytest.raises(
+    mpx.TreeStructureError, match="'dense/b' is in the gradients but not in the params"
+  ):
+    tx.update(grads, tx.init(params), params)
+
+
+@pytest.mark.parametrize("make", [mpx.dynamic_loss_scale, mpx.no_loss_scale])
+def test_integer_gradient_leaf(make):
+  tx = make(optax.sgd(1.0))
+  params = {"w": jnp.ones(2), "step": jnp.ones(2)}
+  grads = {"w": jnp.ones(2), "step": jnp.ones(2, jnp.int32)}
+  with pytest.raises(mpx.LeafTypeError, match="gradients leaf 'step' has dtype int32"):
+    tx.update(grads, tx.init(params), params)
+
+
+def test_axis_name_makes_the_decision_global():
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0, axis_name="devices")
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  grads = {"w": jnp.array([[2.0, 2.0], [2.0, jnp.inf], [4.0, 4.0]])}
+  update = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="devices")
+  updates, new = update(grads, state, params)
+  _bits_equal(updates, {"w": jnp.full((3, 2), -0.0)})
+  np.testing.assert_array_equal(new.skipped_steps, [1, 1, 1])
+  alone, _ = jax.vmap(
+    mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0).update, (0, None, None)
+  )(grads, state, params)
+  np.testing.assert_array_equal(alone["w"][0], [-1.0, -1.0])  # without axis_name: per member
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+def test_no_loss_scale_passes_gradients_through():
+  tx = mpx.no_loss_scale(optax.sgd(1.0))
+  params = _params(BF16)
+  grads = _grads(1.0, BF16, bad=NAN)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert bool(jnp.isnan(updates["scale"][1]))  # no check, no skip
+  assert updates["scale"].dtype == BF16
+  assert mpx.loss_scale_metrics(state) == mpx.loss_scale_metrics(tx.init(params))
+  assert float(mpx.get_loss_scale(state)) == 1.0
+
+
+def test_static_scale_skips_and_flags_divergence():
+  tx = mpx.static_loss_scale(optax.sgd(1.0), 2.0**4)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  mpx.check_loss_scale(state)
+  _, state = tx.update({"w": jnp.array([1.0, NAN])}, state, params)
+  assert float(state.loss_scale) == 16.0 and int(state.skipped_steps) == 1
+  with pytest.raises(mpx.LossScaleDivergedError, match=r"current scale 16.0, 1 skipped steps"):
+    mpx.check_loss_scale((optax.EmptyState(), state))
+  mpx.check_loss_scale(state._replace(diverged=jnp.asarray(False)))
+
+
+def test_dynamic_divergence_only_at_the_floor():
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0, min_scale=2.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  metrics = jax.jit(mpx.loss_scale_metrics)(state)
+  assert set(metrics) == {
+    "loss_scale",
+    "skipped_steps",
+    "consecutive_skips",
+    "growth_tracker",
+    "diverged",
+  }
+  bad = {"w": jnp.array([jnp.inf, 1.0])}
+  _, state = tx.update(bad, state, params)  # 4 -> 2, not diverged
+  mpx.check_loss_scale(state)
+  _, state = tx.update(bad, state, params)  # at the floor
+  with pytest.raises(mpx.LossScaleDivergedError, match="already at its floor"):
+    mpx.check_loss_scale(state)
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+@pytest.mark.parametrize("dtype", [F32, BF16, F16], ids=["f32", "bf16", "f16"])
+def test_value_and_grad_with_aux_and_argnums(dtype):
+  def loss_fn(w, b, x):
+    loss = ((x @ w + b) ** 2).mean()
+    return loss, {"w_sum": w.sum()}
+
+  w, b = jnp.array([0.5, -0.25], dtype), jnp.array(0.125, dtype)
+  x = jnp.array([[1.0, 2.0], [3.0, -1.0]], dtype)
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**8)
+  state = (optax.EmptyState(), tx.init((w, b)))
+  (loss, aux), grads = mpx.value_and_grad(loss_fn, state, argnums=(0, 1), has_aux=True)(w, b, x)
+  (ref_loss, ref_aux), ref_grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+    w.astype(F32), b.astype(F32), x.astype(F32)
+  )
+  assert loss.dtype == dtype
+  np.testing.assert_array_equal(loss, ref_loss.astype(dtype))
+  np.testing.assert_array_equal(aux["w_sum"], ref_aux["w_sum"].astype(dtype))
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert g.dtype == dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), 2.0**8 * np.asarray(r), rtol=1e-2)
+  # The transformation unscales what value_and_grad scaled.
+  updates, _ = tx.update(grads, state[1], (w, b))
+  np.testing.assert_allclose(
+    np.asarray(updates[0], np.float32), -np.asarray(ref_grads[0]), rtol=1e-2
+  )
+
+
+def test_value_and_grad_accepts_a_scale_array():
+  loss, grads = mpx.value_and_grad(lambda w: w @ w, jnp.float32(4.0))(jnp.array([1.0, 2.0]))
+  np.testing.assert_array_equal(loss, 5.0)
+  np.testing.assert_array_equal(grads, [8.0, 16.0])
+  with pytest.raises(mpx.StateError, match="floating scalar, got shape"):
+    mpx.value_and_grad(lambda w: w @ w, jnp.ones(2))
+
+
+def test_all_finite():
+  assert bool(mpx.all_finite({}))
+  assert bool(mpx.all_finite({"a": jnp.ones(2, F16), "n": jnp.arange(3)}))
+  assert not bool(mpx.all_finite([jnp.ones(2), jnp.array([NAN], BF16)]))
+
+
+_SHARD_MAP_SCRIPT = """
+import jax, jax.numpy as jnp, numpy as np, optax, mpx
+from jax.sharding import PartitionSpec as P
+mesh = jax.make_mesh((4,), ("data",))
+tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0, axis_name="data")
+params = {"w": jnp.ones(2)}
+state = tx.init(params)
+
+def step(grads, state, params):
+  return tx.update({"w": grads["w"][0]}, state, params)
+
+grads = {"w": jnp.array([[2.0, 2.0], [2.0, 2.0], [jnp.inf, 2.0], [2.0, 2.0]])}
+grads = jax.device_put(grads, jax.sharding.NamedSharding(mesh, P("data")))
+f = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P("data"), P(), P()), out_specs=(P(), P()),
+                          check_vma=False))
+updates, new = f(grads, state, params)
+assert np.asarray(updates["w"]).tobytes() == np.full(2, -0.0, np.float32).tobytes(), updates
+assert int(new.skipped_steps) == 1 and float(new.loss_scale) == 1.0, new
+print("ok")
+"""
+
+
+def test_axis_name_under_shard_map_on_several_devices():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  out = subprocess.run(
+    [sys.executable, "-c", _SHARD_MAP_SCRIPT], env=env, capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("make", [mpx.dynamic_loss_scale, mpx.no_loss_scale], ids=["dynamic", "none"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
+def test_half_params_without_masters_warn_and_name_the_fix(make, dtype):
+  params = {"params": {"Dense_0": {"kernel": jnp.ones((2, 2), dtype)}}, "step": jnp.zeros((), jnp.int32)}
+  with pytest.warns(mpx.PrecisionWarning, match=r"'params/Dense_0/kernel'.*with_master_params"):
+    make(optax.sgd(1.0)).init(params)
+
+
+def test_half_params_with_masters_or_float32_params_do_not_warn():
+  mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0))).init({"w": jnp.ones(2, F16)})
+  mpx.dynamic_loss_scale(optax.sgd(1.0)).init({"w": jnp.ones(2, F32)})

@@ -1,0 +1,137 @@
+"""Tests for mpx.nnx.apply_policy on NNX graphs."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from flax import nnx
+
+import mpx
+
+
+class Decoder(nnx.Module):
+  def __init__(self, rngs):
+    self.embed = nnx.Embed(32, 16, rngs=rngs)
+    self.norm = nnx.LayerNorm(16, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(2, 16, decode=False, rngs=rngs)
+    self.up = nnx.Linear(16, 32, rngs=rngs)
+    self.down = nnx.Linear(32, 16, rngs=rngs)
+    self.head = nnx.Linear(16, 32, rngs=rngs)
+
+  def __call__(self, ids):
+    x = self.embed(ids)
+    x = x + self.attn(self.norm(x), mask=nnx.make_causal_mask(ids))
+    x = x + self.down(nnx.gelu(self.up(self.norm(x))))
+    return self.head(x)
+
+
+def _dot_operands(fn, *args):
+  jaxpr = jax.make_jaxpr(fn)(*args)
+  found = []
+
+  def walk(j):
+    for e in j.eqns:
+      if e.primitive.name in ("dot_general", "conv_general_dilated"):
+        found.append(tuple(str(v.aval.dtype) for v in e.invars))
+      for sub in jax.extend.core.jaxprs_in_params(e.params):
+        walk(sub)
+
+  walk(jaxpr.jaxpr)
+  return found
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16", "bfloat16", "float32"])
+def test_decoder_params_matmuls_and_output(name):
+  policy = mpx.get_policy(name)
+  model = mpx.nnx.apply_policy(Decoder(nnx.Rngs(0)), policy)
+  assert model.up.kernel.dtype == policy.param_dtype
+  assert model.norm.scale.dtype == jnp.float32 and model.norm.dtype == jnp.float32
+  ids = jnp.arange(8, dtype=jnp.int32).reshape(1, 8)
+  out = model(ids)
+  assert out.dtype == policy.output_dtype
+  assert model.norm(jnp.ones((1, 16), policy.compute_dtype)).dtype == policy.compute_dtype
+  dots = _dot_operands(lambda m: m(ids), model)
+  assert len(dots) == 9 and all(set(d) == {str(policy.compute_dtype)} for d in dots)
+
+
+@pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
+def test_train_step_with_optimizer_jit_and_split_merge(name):
+  model = mpx.nnx.apply_policy(Decoder(nnx.Rngs(0)), name)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 32
+
+  def loss_fn(m):
+    logits = m(ids[:, :-1])
+    assert logits.dtype == jnp.float32
+    return optax.softmax_cross_entropy_with_integer_labels(logits, ids[:, 1:]).mean()
+
+  @nnx.jit
+  def step(m, opt):
+    loss, grads = nnx.value_and_grad(loss_fn)(m)
+    opt.update(m, grads)
+    return loss
+
+  first = step(model, optimizer)
+  for _ in range(5):
+    last = step(model, optimizer)
+  assert last < first
+  assert model.up.kernel.dtype == jnp.float32
+
+  graphdef, state = nnx.split(model)
+  clone = nnx.merge(graphdef, state)
+  assert clone(ids).dtype == jnp.float32
+  assert set(_dot_operands(lambda m: m(ids), clone)) == {
+    (str(mpx.get_policy(name).compute_dtype),) * 2
+  }
+
+  @jax.jit
+  def grads_of(state):
+    return jax.grad(lambda s: loss_fn(nnx.merge(graphdef, s)))(state)
+
+  text = jax.jit(grads_of).lower(state).as_text()
+  half = {"mixed_bfloat16": "bf16", "mixed_float16": "f16"}[name]
+  lines = [ln.split(":")[-1].split("->")[0] for ln in text.splitlines() if "dot_general" in ln]
+  assert lines and all(ln.count(f"x{half}>") == 2 for ln in lines)
+
+
+def test_batchnorm_train_mode_stats_float32():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.conv = nnx.Conv(1, 4, (3, 3), rngs=rngs)
+      self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+    def __call__(self, x):
+      y = self.bn(self.conv(x))
+      return y + self.conv(x)  # the float32 norm output was handed back in half
+
+  model = mpx.nnx.apply_policy(Net(nnx.Rngs(0)), "mixed_float16", accumulate_in_float32=True)
+  model.train()
+  out = nnx.jit(lambda m, x: m(x))(model, jnp.ones((2, 6, 6, 1)))
+  assert out.dtype == jnp.float32
+  assert model.bn.mean.dtype == jnp.float32 and float(model.bn.mean[...].sum()) != 0.0
+  assert model.conv.kernel.dtype == jnp.float32
+
+
+def test_rules_by_instance_path_and_subtree():
+  model = Decoder(nnx.Rngs(0))
+  rules = mpx.KeepRules().with_instance(model.head, "float32").with_path("^attn$", "mixed_float16")
+  mpx.nnx.apply_policy(model, "bfloat16", rules=rules)
+  assert model.head.kernel.dtype == jnp.float32 and model.up.kernel.dtype == jnp.bfloat16
+  assert model.attn.query.kernel.dtype == jnp.float32  # subtree: params=float32
+  assert model.attn.query.dtype == jnp.float16
+  ids = jnp.zeros((1, 4), jnp.int32)
+  dots = _dot_operands(lambda m: m(ids), model)
+  assert ("float32", "float32") in dots and ("float16", "float16") in dots
+  assert ("bfloat16", "bfloat16") in dots
+  assert model(ids).dtype == jnp.bfloat16
+
+
+def test_bad_input():
+  model = mpx.nnx.apply_policy(Decoder(nnx.Rngs(0)), "mixed_bfloat16")
+  assert mpx.nnx.apply_policy(model, "mixed_bfloat16") is model
+  with pytest.raises(mpx.PolicyError, match="already runs under"):
+    mpx.nnx.apply_policy(model, "float16")
+  with pytest.warns(mpx.PrecisionWarning, match=r"'nothing'.*attn/query"):
+    mpx.nnx.apply_policy(
+      Decoder(nnx.Rngs(0)), "float32", rules=mpx.KeepRules(paths={"nothing": "float32"})
+    )

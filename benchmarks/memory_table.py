@@ -3,7 +3,7 @@
 Measured from the real state trees (sum of nbytes over params and opt_state,
 divided by the parameter count). Prints a table and writes JSON.
 
-  python benchmarks/memory_table.py [--out benchmarks/memory_table.json]
+  python benchmarks/memory_table.py [--out benchmarks/results/memory_table.json]
 """
 
 import argparse
@@ -44,7 +44,7 @@ def measure(policy: str, sizes=((1024, 1024), (1024,), (1024, 256), (256,))) -> 
 
 def main() -> None:
   parser = argparse.ArgumentParser()
-  parser.add_argument("--out", default="benchmarks/memory_table.json")
+  parser.add_argument("--out", default="benchmarks/results/memory_table.json")
   args = parser.parse_args()
   rows = {name: measure(policy) for name, policy in LAYOUTS.items()}
   print(f"{'layout':40s} {'params':>7s} {'opt_state':>9s} {'total':>7s}")

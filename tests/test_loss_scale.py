@@ -6,7 +6,8 @@ jmp's ``DynamicLossScale.adjust``, flax's ``DynamicScale.value_and_grad``,
 Megatron-LM's ``DynamicGradScaler.update``, DeepSpeed's
 ``DynamicLossScaler.update_scale``, Paddle's ``update_loss_scaling``), plus the
 bounds mpx adds where the original has none (floor: float32's smallest normal
-number; ceiling: a growth that would pass float32 max is refused).
+number, 2**-126; ceiling: 2**126, the largest scale whose reciprocal is a normal
+float32, where a growth past it is refused, or clamped for flax).
 """
 
 import math
@@ -21,7 +22,7 @@ import mpx
 from mpx._src import loss_scale as rules
 
 TINY = rules.F32_TINY
-FMAX = rules.F32_MAX
+CEILING = rules.MAX_SCALE
 
 
 class _Reference:
@@ -282,7 +283,8 @@ def test_scale_stays_finite_and_normal(preset):
   scales = _mpx_trace(tx, oks)["loss_scale"].astype(np.float32)
   assert np.all(np.isfinite(scales)) and np.all(scales >= np.finfo(np.float32).tiny)
   assert scales[299] == rules.PRESETS[preset].min_scale  # the floor, never 0
-  assert scales[-1] == (FMAX if preset == "flax" else 2.0**127)
+  assert scales[-1] == 2.0**126  # held (or clamped, flax) at the ceiling, never inf
+  assert np.all(np.isfinite(1 / scales)) and np.all(1 / scales >= np.finfo(np.float32).tiny)
 
 
 def test_flax_grows_on_the_n_plus_first_step_and_torch_on_the_nth():
@@ -328,18 +330,18 @@ def test_preset_values(preset, initial, interval, hysteresis, floor):
     hysteresis,
     floor,
   )
-  assert (r.growth_factor, r.backoff_factor, r.max_scale) == (2.0, 0.5, FMAX)
+  assert (r.growth_factor, r.backoff_factor, r.max_scale) == (2.0, 0.5, CEILING)
 
 
 @pytest.mark.parametrize(
   ("kwargs", "fragment"),
   [
-    ({"initial_scale": 0.0}, "initial_scale must be a finite float32"),
-    ({"initial_scale": -2.0}, "initial_scale must be a finite float32"),
-    ({"initial_scale": math.inf}, "initial_scale must be a finite float32"),
-    ({"initial_scale": math.nan}, "initial_scale must be a finite float32"),
-    ({"min_scale": 1e-40}, "min_scale must be a finite float32"),
-    ({"initial_scale": 1e39}, "initial_scale must be a finite float32"),
+    ({"initial_scale": 0.0}, "initial_scale must be a float32 number in"),
+    ({"initial_scale": -2.0}, "initial_scale must be a float32 number in"),
+    ({"initial_scale": math.inf}, "initial_scale must be a float32 number in"),
+    ({"initial_scale": math.nan}, "initial_scale must be a float32 number in"),
+    ({"min_scale": 1e-40}, "min_scale must be a float32 number in"),
+    ({"initial_scale": 1e39}, "initial_scale must be a float32 number in"),
     ({"initial_scale": "big"}, "initial_scale must be a positive real number"),
     ({"growth_factor": 1.0}, "growth_factor must be a finite number > 1.0"),
     ({"growth_factor": 0.5}, "growth_factor must be a finite number > 1.0"),
@@ -361,5 +363,5 @@ def test_bad_hyperparameters(kwargs, fragment):
 
 @pytest.mark.parametrize("scale", [0.0, -1.0, math.inf, math.nan, 1e-45])
 def test_bad_static_scale(scale):
-  with pytest.raises(mpx.ConfigError, match="scale must be a finite float32"):
+  with pytest.raises(mpx.ConfigError, match="scale must be a float32 number in"):
     mpx.static_loss_scale(optax.sgd(1.0), scale)

@@ -90,13 +90,31 @@ def test_unscales_in_float32_and_returns_param_dtype(dtype, use_jit):
   assert int(state.skipped_steps) == 0 and int(state.growth_tracker) == 1
 
 
-def test_unscaling_is_exact_at_the_largest_power_of_two():
-  # jmp multiplies by 1/scale, a subnormal at 2**127 that flushes to zero.
-  tx = mpx.static_loss_scale(optax.sgd(1.0), 2.0**127)
-  params = {"w": jnp.zeros(2)}
-  grads = {"w": jnp.array([1.5, 2.0**-20], F32) * jnp.float32(2.0**127)}
+@pytest.mark.parametrize(
+  ("scale", "true"),
+  [
+    (2.0**-126, [1.5, 2.0**100, -3.0e30]),
+    (2.0**-3, [1.5, 2.0**-20, -3.0e-30]),
+    (2.0**15, [1.5, 2.0**-20, -3.0e-30]),
+    (2.0**126, [1.5, 2.0**-20, -3.0e-30]),
+  ],
+)
+def test_unscaling_is_exact_at_every_power_of_two_up_to_the_bounds(scale, true):
+  # jmp's scale reaches 2**127, whose reciprocal is subnormal and flushes to zero;
+  # mpx's bounds keep 1 / scale normal, so multiplying by it is exact.
+  tx = mpx.static_loss_scale(optax.sgd(1.0), scale)
+  params = {"w": jnp.zeros(3)}
+  true = np.array(true, np.float32)
+  grads = {"w": jnp.asarray(true * np.float32(scale))}
+  scaled = np.abs(np.asarray(grads["w"]))
+  assert np.all(np.isfinite(scaled)) and np.all(scaled >= np.finfo(np.float32).tiny)
   updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
-  np.testing.assert_array_equal(updates["w"], [-1.5, -(2.0**-20)])
+  np.testing.assert_array_equal(updates["w"], -true)
+
+
+def test_a_scale_whose_reciprocal_would_be_subnormal_is_rejected():
+  with pytest.raises(mpx.ConfigError, match=r"in \[2\*\*-126, 2\*\*126\]"):
+    mpx.static_loss_scale(optax.sgd(1.0), 2.0**127)
 
 
 def _adamw_chain():
@@ -442,10 +460,15 @@ def test_axis_name_under_shard_map_on_several_devices():
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("make", [mpx.dynamic_loss_scale, mpx.no_loss_scale], ids=["dynamic", "none"])
+@pytest.mark.parametrize(
+  "make", [mpx.dynamic_loss_scale, mpx.no_loss_scale], ids=["dynamic", "none"]
+)
 @pytest.mark.parametrize("dtype", [F16, BF16], ids=["f16", "bf16"])
 def test_half_params_without_masters_warn_and_name_the_fix(make, dtype):
-  params = {"params": {"Dense_0": {"kernel": jnp.ones((2, 2), dtype)}}, "step": jnp.zeros((), jnp.int32)}
+  params = {
+    "params": {"Dense_0": {"kernel": jnp.ones((2, 2), dtype)}},
+    "step": jnp.zeros((), jnp.int32),
+  }
   with pytest.warns(mpx.PrecisionWarning, match=r"'params/Dense_0/kernel'.*with_master_params"):
     make(optax.sgd(1.0)).init(params)
 
@@ -453,3 +476,28 @@ def test_half_params_without_masters_warn_and_name_the_fix(make, dtype):
 def test_half_params_with_masters_or_float32_params_do_not_warn():
   mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0))).init({"w": jnp.ones(2, F16)})
   mpx.dynamic_loss_scale(optax.sgd(1.0)).init({"w": jnp.ones(2, F32)})
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("where", ["small", "large"])
+def test_check_finds_a_single_bad_element_in_small_and_large_leaves(bad, where):
+  # Small leaves are checked in one concatenated bucket, leaves above 2**16 elements alone.
+  params = {"small": jnp.zeros((3, 5), F16), "large": jnp.zeros((300, 300), F32)}
+  grads = {"small": jnp.ones((3, 5), F16), "large": jnp.ones((300, 300), F32)}
+  grads[where] = grads[where].at[1, 2].set(bad)
+  tx = mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0)), initial_scale=4.0)
+  updates, state = jax.jit(tx.update)(grads, tx.init(params), params)
+  assert int(state.skipped_steps) == 1
+  assert all(bool(jnp.all(u == 0)) for u in jax.tree.leaves(updates))
+
+
+def test_a_finite_gradient_that_overflows_when_unscaled_is_skipped():
+  # With a scale below 1 (the flax preset's floor is float32 tiny) g / scale can overflow.
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), preset="flax", initial_scale=2.0**-10)
+  params = {"w": jnp.zeros(4, F32)}
+  grads = {"w": jnp.array([1.0, 2.0, 3.0, 1.0e36], F32)}  # 1e36 * 2**10 > float32 max
+  _, state = tx.update(grads, tx.init(params), params)
+  assert int(state.skipped_steps) == 1
+  fine = {"w": jnp.array([1.0, 2.0, 3.0, 3.0e30], F32)}
+  _, state = tx.update(fine, tx.init(params), params)
+  assert int(state.skipped_steps) == 0

@@ -29,10 +29,14 @@ as pseudo-code (``ok`` = every gradient element is finite)::
 ``grow(scale)`` is ``scale * growth_factor`` when that is finite and at most
 ``max_scale``, else ``scale`` unchanged (``"hold"``), except for the flax preset,
 which clamps to ``max_scale`` as ``flax.training.dynamic_scale`` does
-(``"clamp"``). Because ``min_scale`` and ``max_scale`` are validated to be
-normal float32 numbers, the scale is always a finite, normal float32 whatever
+(``"clamp"``). Every scale is validated to lie in ``[2**-126, 2**126]``, so
+the scale and its reciprocal are always finite, normal float32 numbers whatever
 the preset: torch's and Keras' scale cannot reach 0 (their floor becomes
-float32's smallest normal number) and cannot grow to inf.
+float32's smallest normal number, 2**-126) and cannot grow to inf (the default
+ceiling is 2**126, where flax's is float32's max: the two agree below 2**126).
+Gradients are unscaled by multiplying with ``1 / scale``, which is exact for a
+power-of-two scale only while that reciprocal is normal: jmp's scale could reach
+2**127, whose reciprocal is subnormal and flushes to zero.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ from mpx._src import errors
 
 _F32 = np.finfo(np.float32)
 F32_TINY = float(_F32.tiny)  # 2**-126, the smallest normal float32.
-F32_MAX = float(_F32.max)
+# The largest scale whose reciprocal is a normal float32 (2**-126).
+MAX_SCALE = 2.0**126
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
 
@@ -94,7 +99,7 @@ class Rule:
 def _preset(name: str, initial_scale: float, growth_interval: int = 2000, **kw) -> Rule:
   base = {"growth_factor": 2.0, "backoff_factor": 0.5, "hysteresis": 1, "min_scale": 1.0}
   base.update(kw)
-  base.setdefault("max_scale", F32_MAX)
+  base.setdefault("max_scale", MAX_SCALE)
   return Rule(preset=name, initial_scale=initial_scale, growth_interval=growth_interval, **base)
 
 
@@ -149,10 +154,10 @@ def check_scale(name: str, value: object) -> float:
       f"{type(value).__name__}. Pass a Python float such as {name}=2.0**15."
     )
   x = float(value)
-  if not (F32_TINY <= x <= F32_MAX and float(np.float32(x)) >= F32_TINY):
+  if not (F32_TINY <= x <= MAX_SCALE and F32_TINY <= float(np.float32(x)) <= MAX_SCALE):
     raise errors.ConfigError(
-      f"{name} must be a finite float32 number in [2**-126, {F32_MAX:.6g}] (positive, "
-      f"finite and normal, so that dividing gradients by it is exact), got {value!r}. "
+      f"{name} must be a float32 number in [2**-126, 2**126] (positive, and normal together "
+      f"with its reciprocal, so that unscaling gradients by it is exact), got {value!r}. "
       "Use a power of two such as 2.0**15."
     )
   return x

@@ -5,11 +5,16 @@ inner optax transformation. Their ``update`` takes the gradients of the
 *scaled* loss and
 
 1. unscales them: each leaf is converted to float32 (float64 stays float64) and
-   divided by the scale, a single correctly rounded operation that is exact
-   for the power-of-two scales the presets use (whenever the quotient is a
-   normal float32); a division, not a multiplication by ``1 / scale``, because
-   that reciprocal is subnormal at 2**127 and flushes to zero on accelerators;
-2. checks in the same pass that every element is finite;
+   multiplied by ``1 / scale``. For the power-of-two scales of every preset this
+   is exact (whenever the product is a normal float32), because scales are kept
+   in ``[2**-126, 2**126]``, where the reciprocal is a normal float32 too (at
+   jmp's 2**127 it is subnormal and flushes to zero). A multiplication rather
+   than a division: XLA fuses it into every consumer, where a division is
+   materialised (2 more reads of the gradients and one more kernel per leaf
+   on XLA:CPU, docs/benchmarks.md). A scale that is not a power of two
+   unscales within one float32 rounding of the exact quotient;
+2. checks that every unscaled element is finite (one fused reduction over
+   buckets of the scaled gradients, see ``_finite_after_unscale``);
 3. if so, runs the inner update on the unscaled float32 gradients, so clipping,
    weight decay and every other inner transform see the true gradients;
    otherwise returns zero updates and leaves the inner state bitwise untouched
@@ -100,14 +105,53 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
+# Leaves up to this size are checked together in one concatenated reduction;
+# larger ones get one reduction each. Tuned on the GPT of
+# benchmarks/loss_scale_overhead.py (docs/benchmarks.md).
+_CONCAT_LIMIT = 2**16
+
+
+def _finite_after_unscale(grads: Any, scale: jax.Array) -> jax.Array:
+  """Whether every element of ``grads / scale`` is finite, in few kernels.
+
+  ``sum(|g|) * (1 / scale)`` is finite exactly when no element is inf or NaN
+  and no unscaled ``|g_i| * (1 / scale)`` overflows (``|g_i| <= sum(|g|)``),
+  so one scalar decides.
+  It is conservative only when the L1 norm of a bucket of scaled gradients
+  exceeds float32's max (3.4e38): that step is skipped and the scale backs off,
+  the right response to gradients that large. Reading the *scaled* gradients
+  lets XLA fuse the check without materialising the unscaled tree, and the
+  buckets cut the kernels per leaf from about three (a per-leaf ``isfinite``
+  reduction) to about one (docs/benchmarks.md).
+  """
+  small, totals = [], []
+  for g in jax.tree.leaves(grads):
+    g = g.astype(_unscaled_dtype(g))
+    if g.size <= _CONCAT_LIMIT and g.dtype == np.dtype(np.float32):
+      small.append(g.ravel())
+    else:
+      totals.append(jnp.sum(jnp.abs(g)).astype(jnp.float32))
+  if small:
+    totals.append(jnp.sum(jnp.abs(jnp.concatenate(small))))
+  if not totals:
+    return jnp.asarray(True)
+  return jnp.isfinite(jnp.sum(jnp.stack(totals)) * (1 / scale))
+
+
 def _saturating_increment(x: jax.Array) -> jax.Array:
   return x + (x < _INT32_MAX).astype(x.dtype)
 
 
+def _unscaled_dtype(g: jax.Array) -> np.dtype:
+  return g.dtype if g.dtype.itemsize > 4 else np.dtype(np.float32)  # float64 stays
+
+
 def _unscale(grads: Any, scale: jax.Array) -> Any:
+  inverse = 1 / scale  # normal, and exact for a power of two: scales stay in [2**-126, 2**126]
+
   def one(g: jax.Array) -> jax.Array:
-    dtype = g.dtype if g.dtype.itemsize > 4 else np.dtype(np.float32)  # float64 stays
-    return g.astype(dtype) / scale.astype(dtype)
+    dtype = _unscaled_dtype(g)
+    return g.astype(dtype) * inverse.astype(dtype)
 
   return jax.tree.map(one, grads)
 
@@ -207,8 +251,8 @@ def _scaled_transform(
   ) -> tuple[optax.Updates, LossScaleState]:
     state = cast(LossScaleState, state)
     _check_grads(updates, params)
+    ok = _finite_after_unscale(updates, state.loss_scale)
     grads = _unscale(updates, state.loss_scale)
-    ok = all_finite(grads)
     if axis_name is not None:
       ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
 
@@ -277,15 +321,17 @@ def dynamic_loss_scale(
   keras      2**15   2000     tiny  1          (Keras has no floor, no ceiling)
   jmp        2**15   2000     1     1
   flax       65536   2000     tiny  1          grows on the (N+1)-th finite step;
-                                               clamps to max_scale (float32 max)
+                                               clamps to max_scale
   megatron   2**32   1000     1     2          hysteresis refills only on growth
   deepspeed  2**16   1000     1     2          refills only on growth; first growth
                                                after N+1 clean steps, then every N
   paddle     2**16   2000     1     1          hysteresis = decr_every_n_nan_or_inf
   ========== ======= ======== ===== ========== ==============================
 
-  ``tiny`` is float32's smallest normal number, 2**-126: the scale always stays
-  a finite, normal float32. Explicit arguments override the preset's values,
+  ``tiny`` is float32's smallest normal number, 2**-126; every preset's
+  ceiling is 2**126 (the largest scale whose reciprocal is a normal float32;
+  flax's is float32's max, torch's and Keras' is none), so the scale always
+  stays a finite, normal float32 with which unscaling is exact. Explicit arguments override the preset's values,
   so ``preset="flax", growth_interval=4`` behaves like flax's
   ``DynamicScale(growth_interval=4)``.
 
@@ -297,8 +343,8 @@ def dynamic_loss_scale(
     backoff_factor: multiplier on overflow, in (0, 1).
     growth_interval: finite steps before the scale grows, >= 1.
     hysteresis: overflows tolerated before the scale backs off, >= 1.
-    min_scale: the floor, a positive normal float32.
-    max_scale: the ceiling, a finite float32.
+    min_scale: the floor, in [2**-126, 2**126].
+    max_scale: the ceiling, in [2**-126, 2**126].
     axis_name: under ``shard_map``/``pmap``/``vmap``, the mapped axis over
       which the finite decision is made global (every device skips together).
 

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optax_compat import standard_promotion
 
 import mpx
 
@@ -43,20 +44,6 @@ def _grads(scale, dtype=F32, bad=None):
   if bad is not None:
     g["scale"] = g["scale"].at[1].set(bad)
   return g
-
-
-def _std(tx):
-  """Runs an optax transformation under standard promotion.
-
-  optax's own adam bias correction and MultiSteps raise a Python float to an
-  int32 count, which strict promotion rejects; mpx's code stays strict.
-  """
-
-  def update(updates, state, params=None, **extra_args):
-    with jax.numpy_dtype_promotion("standard"):
-      return tx.update(updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(tx.init, update)
 
 
 def _maybe_jit(fn, use_jit):
@@ -119,7 +106,9 @@ def test_a_scale_whose_reciprocal_would_be_subnormal_is_rejected():
 
 def _adamw_chain():
   schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=10)
-  return optax.chain(optax.clip_by_global_norm(1.0), _std(optax.adamw(schedule, weight_decay=0.1)))
+  return optax.chain(
+    optax.clip_by_global_norm(1.0), standard_promotion(optax.adamw(schedule, weight_decay=0.1))
+  )
 
 
 def _run(tx, params, state, grads_seq, use_jit=True):
@@ -134,7 +123,7 @@ def _run(tx, params, state, grads_seq, use_jit=True):
 @pytest.mark.parametrize("bad", [NAN, float("inf"), -float("inf")])
 @pytest.mark.parametrize(
   "make_inner",
-  [_adamw_chain, lambda: optax.chain(_adamw_chain(), _std(optax.ema(0.9)))],
+  [_adamw_chain, lambda: optax.chain(_adamw_chain(), standard_promotion(optax.ema(0.9)))],
   ids=["adamw-schedule", "adamw-ema"],
 )
 def test_skip_is_bitwise_identity(make_inner, bad, use_jit):
@@ -164,7 +153,7 @@ def test_clipping_sees_unscaled_gradients():
 
 
 def test_multisteps_inside_skips_one_mini_step_and_allows_scale_changes():
-  k, inner = 3, _std(optax.MultiSteps(optax.adam(0.1), every_k_schedule=3))
+  k, inner = 3, standard_promotion(optax.MultiSteps(optax.adam(0.1), every_k_schedule=3))
   tx = mpx.dynamic_loss_scale(inner, initial_scale=4.0, growth_interval=1)
   params = {"w": jnp.array([1.0, -2.0])}
   true = [jnp.array([0.5, 1.0]), jnp.array([-0.25, 0.5]), jnp.array([1.0, 2.0])]
@@ -179,7 +168,7 @@ def test_multisteps_inside_skips_one_mini_step_and_allows_scale_changes():
     _bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
     state = state._replace(loss_scale=before.loss_scale, growth_tracker=before.growth_tracker)
     updates, state = step({"w": g * scale}, state, params)
-  ref = _std(optax.MultiSteps(optax.adam(0.1), every_k_schedule=k))
+  ref = standard_promotion(optax.MultiSteps(optax.adam(0.1), every_k_schedule=k))
   ref_state = ref.init(params)
   for g in true:
     ref_updates, ref_state = ref.update({"w": g}, ref_state, params)
@@ -188,7 +177,9 @@ def test_multisteps_inside_skips_one_mini_step_and_allows_scale_changes():
 
 
 def test_multisteps_outside_skips_the_window_with_a_constant_scale():
-  tx = _std(optax.MultiSteps(mpx.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0), 2))
+  tx = standard_promotion(
+    optax.MultiSteps(mpx.dynamic_loss_scale(optax.adam(0.1), initial_scale=8.0), 2)
+  )
   params = {"w": jnp.array([1.0, -2.0])}
   state = tx.init(params)
   adam_before = mpx.loss_scale_metrics(state)
@@ -261,9 +252,9 @@ def test_donated_buffers_and_no_retrace():
 @pytest.mark.parametrize(
   "tx",
   [
-    mpx.dynamic_loss_scale(_std(optax.adamw(1e-3))),
-    mpx.static_loss_scale(_std(optax.adamw(1e-3)), 2.0**4),
-    mpx.no_loss_scale(_std(optax.adamw(1e-3))),
+    mpx.dynamic_loss_scale(standard_promotion(optax.adamw(1e-3))),
+    mpx.static_loss_scale(standard_promotion(optax.adamw(1e-3)), 2.0**4),
+    mpx.no_loss_scale(standard_promotion(optax.adamw(1e-3))),
   ],
   ids=["dynamic", "static", "none"],
 )
@@ -280,7 +271,9 @@ def test_state_is_stable_under_cond(tx):
 
 
 def _stepped_state():
-  tx = mpx.dynamic_loss_scale(_std(optax.adam(0.1)), preset="deepspeed", min_scale=2.0**14)
+  tx = mpx.dynamic_loss_scale(
+    standard_promotion(optax.adam(0.1)), preset="deepspeed", min_scale=2.0**14
+  )
   params = _params()
   state = tx.init(params)
   for bad in [None, NAN, NAN, NAN, NAN, None]:

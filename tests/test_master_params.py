@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from optax_compat import standard_promotion
 
 import mpx
 from mpx._src import master_params as master_params_lib
@@ -26,20 +27,6 @@ def _params(dtype):
     "norm_scale": jnp.ones(2, jnp.float32),
     "step": jnp.array(7, jnp.int32),
   }
-
-
-def standard_promotion(tx):
-  """Runs an optax optimizer's update under standard promotion.
-
-  optax.adam's bias correction raises a python float to an int32 count, which
-  strict promotion rejects; mpx's own code still runs under strict promotion.
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    with jax.numpy_dtype_promotion("standard"):
-      return tx.update(updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 def _float_mask(params):

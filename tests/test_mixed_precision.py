@@ -9,23 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from optax_compat import standard_promotion
 from sklearn.datasets import load_digits
 
 import mpx
-
-
-def standard_promotion(tx):
-  """Runs an optax optimizer's update under standard promotion.
-
-  optax.adam's bias correction raises a python float to an int32 count, which
-  strict promotion rejects; mpx's own code still runs under strict promotion.
-  """
-
-  def update_fn(updates, state, params=None, **extra_args):
-    with jax.numpy_dtype_promotion("standard"):
-      return tx.update(updates, state, params, **extra_args)
-
-  return optax.GradientTransformationExtraArgs(tx.init, update_fn)
 
 
 class MLP(nn.Module):

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from flax import nnx
+from optax_compat import standard_promotion
 
 import mpx
 
@@ -135,3 +136,44 @@ def test_bad_input():
     mpx.nnx.apply_policy(
       Decoder(nnx.Rngs(0)), "float32", rules=mpx.KeepRules(paths={"nothing": "float32"})
     )
+
+
+class _Mlp(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.l1 = nnx.Linear(16, 32, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+    self.l2 = nnx.Linear(32, 10, rngs=rngs)
+
+  def __call__(self, x):
+    return self.l2(self.norm(jax.nn.relu(self.l1(x))))
+
+
+@pytest.mark.parametrize(
+  ("spec", "param_dtype"),
+  [("mixed_float16", jnp.float32), ("params=float16,compute=float16,output=float32", jnp.float16)],
+)
+def test_nnx_optimizer_with_mixed_precision_reads_the_scale_from_its_state(spec, param_dtype):
+  # The API sketch's NNX loop: mpx.mixed_precision inside nnx.Optimizer, scale read from its state.
+  policy = mpx.get_policy(spec)
+  model = mpx.nnx.apply_policy(_Mlp(nnx.Rngs(0)), policy)
+  # optax.adamw's bias correction is not strict-promotion clean (an optax matter, not mpx's).
+  tx = mpx.mixed_precision(standard_promotion(optax.adamw(1e-2)), policy)
+  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  x = jax.random.normal(jax.random.key(1), (32, 16))
+  y = jnp.arange(32) % 10
+
+  @nnx.jit
+  def train_step(model, optimizer, x, y):
+    def loss_fn(model):
+      return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
+
+    loss, grads = mpx.value_and_grad(loss_fn, optimizer.opt_state)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  losses = [float(train_step(model, optimizer, x, y)) for _ in range(30)]
+  assert losses[-1] < 0.2 * losses[0]
+  assert model.l1.kernel.dtype == param_dtype and model.norm.scale.dtype == jnp.float32
+  metrics = mpx.loss_scale_metrics(optimizer.opt_state)
+  assert float(metrics["loss_scale"]) == float(mpx.get_loss_scale(optimizer.opt_state)) > 1.0
+  assert int(metrics["skipped_steps"]) + int(metrics["growth_tracker"]) == 30

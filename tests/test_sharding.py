@@ -1,4 +1,9 @@
-"""Masters and moments follow their params' NamedSharding (8 forced CPU devices)."""
+"""Sharded training on 8 forced CPU devices.
+
+Masters and moments follow their params' NamedSharding, the step makes no host
+round trip, and the finite decision of loss scaling is global under ``jit``: an
+inf in one device's shard skips the step on every device.
+"""
 
 import os
 import subprocess
@@ -53,6 +58,18 @@ _SCRIPT = textwrap.dedent(
         for _ in range(3):
             params, state = step(params, state, grads)
     check(state, params)
+
+    # One inf in the rows of the kernel that live on device 3 only.
+    bad = dict(grads, kernel=grads["kernel"].at[6, 1].set(jnp.inf))
+    assert bad["kernel"].sharding.is_equivalent_to(shardings["kernel"], 2)
+    new_params, new_state = step(params, state, bad)
+    assert int(new_state.skipped_steps) == int(state.skipped_steps) + 1
+    assert float(new_state.loss_scale) == float(state.loss_scale) / 2
+    before = jax.device_get((params, state.inner_state))
+    after = jax.device_get((new_params, new_state.inner_state))
+    assert jax.tree.structure(before) == jax.tree.structure(after)
+    for x, y in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+        assert x.dtype == y.dtype and x.tobytes() == y.tobytes()  # every shard untouched
     print("OK")
     """
 )

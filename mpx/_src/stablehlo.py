@@ -1,0 +1,251 @@
+"""Reading matmuls and convolutions out of a StableHLO module (for :mod:`mpx._src.audit`).
+
+Generic MLIR calls only (operation names, operand types, attributes as text,
+locations), so no jaxlib dialect internals are imported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import errors
+
+_KINDS = {
+  "stablehlo.dot_general": "dot_general",
+  "stablehlo.dot": "dot",
+  "stablehlo.convolution": "convolution",
+}
+_MLIR_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
+# JAX's own name-stack scopes; they say how an op was produced, not who issued it.
+_INTERNAL_SCOPES = frozenset(
+  {
+    "body",
+    "branch",
+    "checkpoint",
+    "closed_call",
+    "cond",
+    "core_call",
+    "custom_jvp_call",
+    "custom_vjp_call",
+    "custom_vjp_call_jaxpr",
+    "jit",
+    "pjit",
+    "remat",
+    "rematted_computation",
+    "scan",
+    "shard_map",
+    "while",
+  }
+)
+_WRAPPED = re.compile(r"([A-Za-z_][\w.]*)\((.*)\)")
+_LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
+_FRAME = re.compile(r'"([A-Za-z_<][\w.<>]*)"\(')
+_TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
+_ALIGNMENT = 8
+
+
+def _element_dtype(element: str) -> np.dtype:
+  if element in _MLIR_DTYPES:
+    return np.dtype(jnp.dtype(_MLIR_DTYPES[element]))
+  if match := re.fullmatch(r"(u?)i(\d+)", element):
+    unsigned, bits = match.groups()
+    return np.dtype(bool) if bits == "1" else np.dtype(f"{unsigned and 'u'}int{bits}")
+  # The float8 formats: 'f8E4M3FN' is ml_dtypes' 'float8_e4m3fn'.
+  return np.dtype(jnp.dtype(re.sub(r"^f8", "float8_", element).lower()))
+
+
+def _tensor(type_str: str) -> tuple[np.dtype, tuple[int, ...]]:
+  match = _TENSOR.fullmatch(type_str)
+  if match is None:
+    raise errors.MpxError(
+      f"mpx.audit cannot read the StableHLO operand type {type_str!r} (only statically "
+      "shaped tensors are supported); lower the function with concrete shapes."
+    )
+  dims, element = match.groups()
+  return _element_dtype(element), tuple(int(d) for d in dims.split("x") if d)
+
+
+def _dims(text: str, key: str) -> list[int]:
+  match = re.search(key + r" = \[([\d, ]*)\]", text)
+  return [int(d) for d in match.group(1).split(",") if d.strip()] if match else []
+
+
+def _gemm_dot(attrs: dict[str, str], lhs: tuple[int, ...], rhs: tuple[int, ...]):
+  numbers = attrs.get("dot_dimension_numbers", "")
+  lhs_batch, rhs_batch = (
+    _dims(numbers, "lhs_batching_dimensions"),
+    _dims(numbers, "rhs_batching_dimensions"),
+  )
+  lhs_contract = _dims(numbers, "lhs_contracting_dimensions")
+  rhs_contract = _dims(numbers, "rhs_contracting_dimensions")
+  if not numbers:  # stablehlo.dot: a plain matrix-vector or matrix-matrix product.
+    lhs_contract, rhs_contract = [len(lhs) - 1], [0]
+  batch = math.prod(lhs[d] for d in lhs_batch)
+  k = math.prod(lhs[d] for d in lhs_contract)
+  m = math.prod(s for d, s in enumerate(lhs) if d not in lhs_batch + lhs_contract)
+  n = math.prod(s for d, s in enumerate(rhs) if d not in rhs_batch + rhs_contract)
+  dims = {"M": m, "N": n, "K": k}
+  misaligned = tuple(f"{key}={v}" for key, v in dims.items() if v % _ALIGNMENT)
+  return (m, n, k), 2 * batch * m * n * k, misaligned
+
+
+def _gemm_conv(attrs: dict[str, str], rhs: tuple[int, ...], result: tuple[int, ...]):
+  # '#stablehlo.conv<[b, 0, 1, f]x[0, 1, i, o]->[b, 0, 1, f]>': the kernel layout is the middle.
+  match = re.search(r"\]x\[([^\]]*)\]", attrs.get("dimension_numbers", ""))
+  if match is None:
+    raise errors.MpxError(
+      f"mpx.audit cannot read the convolution dimension numbers in {attrs!r}; please report "
+      "this with your jax version."
+    )
+  layout = [s.strip() for s in match.group(1).split(",")]
+  in_features = rhs[layout.index("i")]
+  out_features = rhs[layout.index("o")]
+  spatial = math.prod(rhs[d] for d, s in enumerate(layout) if s not in ("i", "o"))
+  k = spatial * in_features
+  n = out_features
+  m = math.prod(result) // max(n, 1)
+  misaligned = tuple(f"{key}={v}" for key, v in {"M": m, "N": n, "K": k}.items() if v % _ALIGNMENT)
+  return (m, n, k), 2 * math.prod(result) * k, misaligned
+
+
+def _location_name(location: str) -> str:
+  match = _LOC_NAME.match(location)
+  return match.group(1) if match else ""
+
+
+def _module_path(name: str, location: str) -> tuple[str, bool]:
+  """Returns ``(module path, is_backward)`` from a name stack and its location."""
+  segments, transforms = [], set()
+  for raw in name.split("/")[:-1]:  # The last segment is the primitive.
+    seg, wrappers = raw, []
+    while match := _WRAPPED.fullmatch(seg):
+      wrappers.append(match.group(1))
+      seg = match.group(2)
+    transforms.update(wrappers)
+    if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg:
+      continue  # A function name or an einsum spec, not a module.
+    if seg and seg not in _INTERNAL_SCOPES:
+      segments.append(seg)
+  if not segments:
+    # No module names on the name stack (NNX, plain functions): use the Python
+    # call stack that the location keeps, innermost frame first.
+    named = _LOC_NAME.match(location)
+    calls = _FRAME.findall(location[named.end() if named else 0 :])
+    frames: list[str] = []
+    for qualname in calls:
+      parts = qualname.split(".")
+      if len(parts) < 2 or not parts[-2][:1].isupper():
+        if frames:
+          break  # The first plain function outside the modules: the traced code.
+        continue  # A helper inside the innermost module, e.g. dot_product_attention.
+      label = parts[-2] if parts[-1] == "__call__" else f"{parts[-2]}.{parts[-1]}"
+      if not frames or frames[0] != label:
+        frames.insert(0, label)
+    if not frames and calls:
+      frames = calls[:1]  # A plain function: its innermost Python frame.
+    segments = frames
+  return "/".join(segments), "transpose" in transforms
+
+
+def _walk(op: Any) -> Iterator[Any]:
+  for region in op.regions:
+    for block in region.blocks:
+      for child in block.operations:
+        yield child.operation
+        yield from _walk(child.operation)
+
+
+def _attributes(op: Any) -> dict[str, str]:
+  return {op.attributes[i].name: str(op.attributes[i].attr) for i in range(len(op.attributes))}
+
+
+def _collect(module: Any) -> list[dict[str, Any]]:
+  """Returns the raw matmul records of a StableHLO module, names made absolute."""
+  functions: dict[str, list[Any]] = {}
+  for func in module.body.operations:
+    func = func.operation
+    if func.name == "func.func":
+      functions[_attributes(func)["sym_name"].strip('"')] = list(_walk(func))
+  # Private functions carry name stacks relative to their call site.
+  callers: dict[str, list[tuple[str, str]]] = {name: [] for name in functions}
+  for caller, ops in functions.items():
+    for op in ops:
+      if op.name == "func.call":
+        callee = _attributes(op)["callee"].lstrip("@")
+        callers.setdefault(callee, []).append((caller, _location_name(str(op.location))))
+  prefix: dict[str, str] = {}
+  count: dict[str, int] = {}
+
+  def resolve(func: str, seen: frozenset[str] = frozenset()) -> None:
+    if func in prefix:
+      return
+    sites = [(c, n) for c, n in callers.get(func, []) if c not in seen]
+    if not sites:
+      prefix[func], count[func] = "", 1
+      return
+    for caller, _ in sites:
+      resolve(caller, seen | {func})
+    caller, call_name = sites[0]
+    prefix[func] = "/".join(p for p in (prefix[caller], call_name) if p)
+    count[func] = sum(count[c] for c, _ in sites)
+
+  records = []
+  for func, ops in functions.items():
+    resolve(func)
+    for op in ops:
+      if op.name not in _KINDS:
+        continue
+      location = str(op.location)
+      name = "/".join(p for p in (prefix[func], _location_name(location)) if p)
+      records.append({"op": op, "name": name, "location": location, "count": count[func]})
+  return records
+
+
+def _record(raw: dict[str, Any]) -> dict[str, Any]:
+  op = raw["op"]
+  kind = _KINDS[op.name]
+  attrs = _attributes(op)
+  lhs_dtype, lhs_shape = _tensor(str(op.operands[0].type))
+  rhs_dtype, rhs_shape = _tensor(str(op.operands[1].type))
+  result_dtype, result_shape = _tensor(str(op.results[0].type))
+  if kind == "convolution":
+    gemm, flops, misaligned = _gemm_conv(attrs, rhs_shape, result_shape)
+  else:
+    gemm, flops, misaligned = _gemm_dot(attrs, lhs_shape, rhs_shape)
+  accumulation = re.search(r"accumulation_type = (\w+)", attrs.get("algorithm", ""))
+  module_path, is_backward = _module_path(raw["name"], raw["location"])
+  return dict(
+    kind=kind,
+    lhs_dtype=lhs_dtype,
+    rhs_dtype=rhs_dtype,
+    result_dtype=result_dtype,
+    accumulation_dtype=_element_dtype(accumulation.group(1)) if accumulation else None,
+    lhs_shape=lhs_shape,
+    rhs_shape=rhs_shape,
+    result_shape=result_shape,
+    gemm_dims=gemm,
+    flops=flops * raw["count"],
+    module_path=module_path,
+    name=raw["name"],
+    is_backward=is_backward,
+    count=raw["count"],
+    misaligned=misaligned,
+  )
+
+
+def matmul_ops(module: Any) -> list[dict[str, Any]]:
+  """Returns the fields of every dot/convolution in ``module``, in program order.
+
+  Args:
+    module: the ``compiler_ir("stablehlo")`` of a lowered JAX program.
+
+  Returns:
+    One dict per op with the fields of ``mpx.MatmulOp`` except ``share``.
+  """
+  return [_record(raw) for raw in _collect(module)]

@@ -3,10 +3,12 @@
 import dataclasses
 from typing import Any
 
+import chex
 import flax.linen as nn
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import mpx
@@ -238,3 +240,31 @@ def test_tabulate_and_attribute_forwarding():
   table = model.tabulate(jax.random.key(0), jnp.ones((1, 3)))
   assert "bfloat16" in table
   assert dataclasses.is_dataclass(model)
+
+
+class _NormedMlp(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.LayerNorm()(nn.relu(nn.Dense(32)(x)))
+    return nn.Dense(8)(x)
+
+
+@pytest.mark.parametrize("half", [jnp.float16, jnp.bfloat16])
+def test_half_params_start_at_the_rounding_of_the_float32_init(half):
+  # Flax samples initializers in the param dtype, a different random stream; mpx
+  # samples in float32 and rounds, as mpx.nnx.apply_policy does by casting.
+  x = jnp.ones((2, 16))
+  f32 = mpx.linen.apply_policy(_NormedMlp(), "float32").init(jax.random.key(0), x)
+  policy = mpx.get_policy("float32").with_param_dtype(half).with_compute_dtype(half)
+  variables = mpx.linen.apply_policy(_NormedMlp(), policy).init(jax.random.key(0), x)
+  params, reference = variables["params"], f32["params"]
+  for name in ("Dense_0", "Dense_1"):
+    for leaf in ("kernel", "bias"):
+      assert params[name][leaf].dtype == half
+      np.testing.assert_array_equal(
+        np.asarray(params[name][leaf]), np.asarray(reference[name][leaf].astype(half))
+      )
+  chex.assert_trees_all_equal(params["LayerNorm_0"], reference["LayerNorm_0"])  # kept float32
+  assert params["LayerNorm_0"]["scale"].dtype == jnp.float32
+  _, again = mpx.linen.apply_policy(_NormedMlp(), policy).init_with_output(jax.random.key(0), x)
+  chex.assert_trees_all_equal(again["params"], params)

@@ -19,6 +19,11 @@ copy's own Flax knobs, which the body then reads:
 
 The user's module objects are never mutated, only linen's per-call copies.
 
+Initialisation samples half-precision params in float32 and rounds them to the
+param dtype, so layout (b) starts from the float32 run's weights (Flax's
+initializers would otherwise draw a different random stream in float16); NNX
+models get the same through ``mpx.nnx.apply_policy``'s cast.
+
 The policy overrides every layer's ``dtype``, including ``dtype=jnp.float32``
 written in a config default (Flax's ImageNet and LM1B examples); a
 deliberate per-layer choice is expressed with :class:`mpx.KeepRules`, the one
@@ -38,10 +43,35 @@ import dataclasses
 from typing import Any
 
 import flax.linen as nn
+import jax
+import numpy as np
 
 from mpx._src import casting, errors
+from mpx._src import dtypes as dtypes_lib
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
+
+
+def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
+  # Flax's initializers sample in the param dtype: float16 samples are a different
+  # random stream from float32 ones, not their rounding.
+  return policy.with_param_dtype("float32") if dtypes_lib.is_half(policy.param_dtype) else policy
+
+
+def _round_params(result: Any, param_dtypes: dict[tuple[str, ...], np.dtype]) -> Any:
+  """Casts each sampled param to its layer's param dtype (the deepest recorded module)."""
+
+  def round_leaf(path: jax.tree_util.KeyPath, leaf: Any) -> Any:
+    keys = [str(getattr(k, "key", k)) for k in path]
+    if "params" not in keys:
+      return leaf
+    module_path = tuple(keys[keys.index("params") + 1 : -1])
+    while module_path not in param_dtypes and module_path:
+      module_path = module_path[:-1]
+    dtype = param_dtypes.get(module_path)
+    return leaf if dtype is None else casting.cast_tree(leaf, dtype)
+
+  return jax.tree_util.tree_map_with_path(round_leaf, result)
 
 
 def _path(module: nn.Module) -> str:
@@ -85,8 +115,9 @@ class PolicyModel:
       cache[key] = own or self.policy
     return cache[key]
 
-  def _run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+  def _run(self, fn: Any, args: Any, kwargs: Any, *, initializing: bool = False) -> Any:
     cache: dict[int, Any] = {}
+    param_dtypes: dict[tuple[str, ...], np.dtype] = {}
     configured: set[int] = set()
     running: dict[int, int] = {}
     matched: set[str] = set()
@@ -99,9 +130,10 @@ class PolicyModel:
       if key not in configured:
         configured.add(key)
         seen.add(_path(module))
+        param_dtypes[tuple(module.path)] = policy.param_dtype
         keep_lib.configure_layer(
           module,
-          policy,
+          _sampling_policy(policy) if initializing else policy,
           self.rules,
           accumulate_in_float32=self.accumulate_in_float32,
           fields={f.name for f in dataclasses.fields(module)},
@@ -126,26 +158,33 @@ class PolicyModel:
 
     with nn.intercept_methods(interceptor):
       result = fn(*args, **kwargs)
+    if initializing:
+      result = _round_params(result, param_dtypes)
     if not self._checked_paths:
       self._checked_paths = True
       keep_lib.check_paths_matched(self.rules, matched, seen)
     return result
 
   def init(self, *args: Any, **kwargs: Any) -> Any:
-    """``module.init`` under the policy; params come out in the param dtype."""
-    return self._run(self.module.init, *args, **kwargs)
+    """``module.init`` under the policy; params come out in the param dtype.
+
+    Half-precision params are sampled in float32 and then rounded, so every
+    policy starts from the float32 run's initial weights (to the param
+    dtype's rounding), as ``mpx.nnx.apply_policy`` does by casting.
+    """
+    return self._run(self.module.init, args, kwargs, initializing=True)
 
   def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
-    """``module.init_with_output`` under the policy."""
-    return self._run(self.module.init_with_output, *args, **kwargs)
+    """``module.init_with_output`` under the policy (params as in :meth:`init`)."""
+    return self._run(self.module.init_with_output, args, kwargs, initializing=True)
 
   def apply(self, *args: Any, **kwargs: Any) -> Any:
     """``module.apply`` under the policy; outputs come out in the output dtype."""
-    return self._run(self.module.apply, *args, **kwargs)
+    return self._run(self.module.apply, args, kwargs)
 
   def tabulate(self, *args: Any, **kwargs: Any) -> str:
     """``module.tabulate`` under the policy (shows the policy's dtypes)."""
-    return self._run(self.module.tabulate, *args, **kwargs)
+    return self._run(self.module.tabulate, args, kwargs)
 
 
 def apply_policy(

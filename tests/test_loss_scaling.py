@@ -293,6 +293,7 @@ def test_tree_round_trips_keep_every_field():
 
 def test_orbax_round_trip(tmp_path):
   import orbax.checkpoint as ocp  # a test dependency: never skipped
+
   state = _stepped_state()
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(tmp_path / "state", state)

@@ -132,3 +132,19 @@ def test_check_same_structure_uses_the_given_names():
   assert "'mu' is in the updates but not in the master params" in message
   assert "'nu' is in the master params but not in the updates" in message
   assert "Pass the master params the updates were computed from." in message
+
+
+class _Wrapper(NamedTuple):
+  value: object
+  inner_state: object
+
+
+def test_find_nodes_finds_nested_nodes_with_their_paths():
+  inner = _Wrapper(1.0, ())
+  outer = _Wrapper(2.0, {"opt": (inner,)})
+  tree = ({"a": jnp.ones(2)}, outer)
+  found = tree_lib.find_nodes(tree, _Wrapper)
+  assert [path for path, _ in found] == ["1", "1/inner_state/opt/0"]
+  assert found[0][1] is outer and found[1][1] is inner
+  assert tree_lib.find_nodes({"a": jnp.ones(2)}, _Wrapper) == []
+  assert [p for p, _ in tree_lib.find_nodes(inner, _Wrapper)] == ["<root>"]

@@ -285,11 +285,6 @@ def with_master_params(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _master_states(opt_state: optax.OptState) -> list[MasterParamsState]:
-  nodes = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterParamsState))
-  return [x for x in nodes if isinstance(x, MasterParamsState)]
-
-
 def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
   """Returns the master params held in ``opt_state``, or ``None`` if it has none.
 
@@ -303,7 +298,7 @@ def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
   Raises:
     StateError: ``opt_state`` holds more than one :class:`MasterParamsState`.
   """
-  found = _master_states(opt_state)
+  found = [node for _, node in tree_lib.find_nodes(opt_state, MasterParamsState)]
   if len(found) > 1:
     raise errors.StateError(
       f"The optimizer state holds {len(found)} MasterParamsState entries, so it is ambiguous "

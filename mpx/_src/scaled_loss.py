@@ -22,20 +22,6 @@ from mpx._src import tree as tree_lib
 from mpx._src.loss_scaling import LossScaleState
 
 
-def _is_state(x: Any) -> bool:
-  return isinstance(x, LossScaleState)
-
-
-def _find(tree: Any, prefix: str = "") -> list[tuple[str, LossScaleState]]:
-  found = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_state)[0]:
-    if _is_state(leaf):
-      where = "/".join(p for p in (prefix, tree_lib.path_str(path)) if p and p != "<root>")
-      found.append((where or "<root>", leaf))
-      found.extend(_find(leaf.inner_state, f"{where}/inner_state".lstrip("/")))
-  return found
-
-
 def _value(x: Any) -> Any:
   # Flax NNX wraps optimizer-state leaves in Variables; read through them.
   return x.get_value() if hasattr(x, "get_value") else x
@@ -53,7 +39,7 @@ def find_loss_scale_state(opt_state: Any) -> LossScaleState:
   Raises:
     StateError: if there is none, or more than one.
   """
-  found = _find(opt_state)
+  found = tree_lib.find_nodes(opt_state, LossScaleState)
   if len(found) != 1:
     where = ", ".join(repr(p) for p, _ in found)
     problem = "contains none" if not found else f"contains {len(found)}, at {where}"

@@ -48,6 +48,39 @@ def is_floating_array(x: Any) -> bool:
   return is_array(x) and bool(jnp.issubdtype(x.dtype, np.floating))
 
 
+def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:
+  """Returns every node of type ``cls`` in ``tree``, nested ones included.
+
+  Used to find a transformation's state (e.g. ``mpx.LossScaleState``) inside an
+  optimizer state of any nesting: ``optax.chain`` tuples, ``named_chain``
+  dicts, ``MultiSteps``, ``inject_hyperparams``...
+
+  Args:
+    tree: any pytree.
+    cls: the node type, e.g. a ``NamedTuple`` state class.
+
+  Returns:
+    ``(path, node)`` pairs in flattening order, outer nodes before the nodes
+    they contain; paths are formatted as by :func:`path_str`.
+  """
+  found: list[tuple[str, Any]] = []
+
+  def visit(node: Any, prefix: str, skip: Any) -> None:
+    def is_match(x: Any) -> bool:
+      return x is not skip and isinstance(x, cls)
+
+    for path, leaf in jax.tree_util.tree_flatten_with_path(node, is_leaf=is_match)[0]:
+      if is_match(leaf):
+        where = "/".join(
+          p for p in (prefix, jax.tree_util.keystr(path, simple=True, separator="/")) if p
+        )
+        found.append((where or "<root>", leaf))
+        visit(leaf, where, leaf)
+
+  visit(tree, "", None)
+  return found
+
+
 def check_floating_leaves(
   tree: PyTree, *, what: str, allow: Callable[[Any], bool] | None = None
 ) -> None:

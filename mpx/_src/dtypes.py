@@ -68,6 +68,28 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
   return dtype
 
 
+def is_floating(dtype: DTypeLike) -> bool:
+  """Returns whether ``dtype`` is a real floating dtype (float8 to float64).
+
+  The one floating-point test of mpx. NumPy's ``issubdtype`` says bfloat16 and
+  the float8 formats are not floating (they come from ``ml_dtypes``); JAX's
+  knows them.
+
+  Args:
+    dtype: any dtype-like object; ``None`` and objects that are not dtypes
+      (e.g. a typed PRNG key's dtype) are not floating.
+
+  Returns:
+    ``True`` for float8, bfloat16, float16, float32 and float64.
+  """
+  if dtype is None:
+    return False
+  try:
+    return bool(jnp.issubdtype(dtype, np.floating))
+  except TypeError:
+    return False
+
+
 def is_half(dtype: DTypeLike) -> bool:
   """Returns whether ``dtype`` is a 16-bit (or narrower) floating dtype.
 
@@ -77,5 +99,20 @@ def is_half(dtype: DTypeLike) -> bool:
   Returns:
     ``True`` for float16, bfloat16 and the float8 formats.
   """
-  # NumPy's issubdtype says bfloat16 and float8 are not floating; JAX's knows them.
-  return bool(jnp.issubdtype(dtype, np.floating) and np.dtype(dtype).itemsize <= 2)
+  return is_floating(dtype) and np.dtype(dtype).itemsize <= 2
+
+
+def can_hold(wide: DTypeLike, narrow: DTypeLike) -> bool:
+  """Returns whether every ``narrow`` value is exactly representable in ``wide``.
+
+  Args:
+    wide: a floating dtype, e.g. a master dtype.
+    narrow: a floating dtype, e.g. a param dtype.
+
+  Returns:
+    ``True`` when ``wide`` has at least ``narrow``'s mantissa bits and exponent
+    range (float32 holds float16 and bfloat16; bfloat16 and float16 hold
+    neither each other nor float32).
+  """
+  w, n = jnp.finfo(wide), jnp.finfo(narrow)
+  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp

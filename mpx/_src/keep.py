@@ -35,9 +35,9 @@ from typing import Any
 
 import flax.linen as nn
 import jax
-import numpy as np
 from flax import nnx
 
+from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors, kernels
 from mpx._src import policy as policy_lib
 
@@ -183,12 +183,7 @@ def check_paths_matched(rules: KeepRules, matched: set[str], seen: Iterable[str]
 
 
 def _floating_or_none(value: Any) -> bool:
-  if value is None:
-    return True
-  try:
-    return bool(np.issubdtype(np.dtype(value), np.floating))
-  except TypeError:
-    return False
+  return value is None or dtypes_lib.is_floating(value)
 
 
 def _set_field(module: nn.Module, name: str, value: Any) -> None:

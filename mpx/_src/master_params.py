@@ -55,17 +55,11 @@ def _is_none(x: Any) -> bool:
   return x is None
 
 
-def can_hold(wide: np.dtype, narrow: np.dtype) -> bool:
-  """Returns whether every ``narrow`` value is exactly representable in ``wide``."""
-  w, n = jnp.finfo(wide), jnp.finfo(narrow)
-  return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
-
-
 def _check_master_dtype(params: optax.Params, master_dtype: np.dtype) -> None:
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if not tree_lib.is_floating_array(leaf):
       continue
-    if not can_hold(master_dtype, leaf.dtype):
+    if not dtypes_lib.can_hold(master_dtype, leaf.dtype):
       raise errors.ConfigError(
         f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, which "
         f"master_dtype={master_dtype} cannot hold exactly: a master must be at least as "
@@ -136,7 +130,7 @@ def check_masters(
         f"{master.dtype}{list(master.shape)}; a master has the param's shape and a wider "
         f"dtype{'' if master_dtype is None else f' ({master_dtype})'}. {fix}"
       )
-    if not can_hold(master.dtype, param.dtype):
+    if not dtypes_lib.can_hold(master.dtype, param.dtype):
       raise errors.StateError(
         f"{where} is {param.dtype} but its master is {master.dtype}, which cannot hold it "
         f"(were the params restored under a different policy?). {fix}"

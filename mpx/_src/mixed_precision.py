@@ -168,7 +168,7 @@ def check_state(
     if tree_lib.is_floating_array(leaf)
   ]
   for path, leaf in floating:
-    if not master_params_lib.can_hold(leaf.dtype, want):
+    if not dtypes_lib.can_hold(leaf.dtype, want):
       raise errors.StateError(
         f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, but the policy "
         f"({policy}) stores params in {want}. Restore with a target built under this policy "

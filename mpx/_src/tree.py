@@ -6,10 +6,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import errors
+from mpx._src import dtypes, errors
 
 PyTree = Any
 
@@ -43,9 +42,7 @@ def is_floating_array(x: Any) -> bool:
   Returns:
     ``True`` for JAX/NumPy arrays of a floating dtype (float8 to float64).
   """
-  # jnp.issubdtype, not NumPy's: NumPy does not count the ml_dtypes
-  # formats (bfloat16, float8) as floating, and it raises on typed PRNG key dtypes.
-  return is_array(x) and bool(jnp.issubdtype(x.dtype, np.floating))
+  return is_array(x) and dtypes.is_floating(x.dtype)
 
 
 def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:

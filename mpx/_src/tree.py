@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,24 @@ def path_str(path: jax.tree_util.KeyPath) -> str:
 def is_array(x: Any) -> bool:
   """Returns whether ``x`` is a JAX or NumPy array (tracers included)."""
   return isinstance(x, (jax.Array, np.ndarray, np.generic))
+
+
+def is_nnx_object(x: Any) -> bool:
+  """Returns whether ``x`` is a Flax NNX graph object (module, ``Variable``, ``Rngs``...).
+
+  Such objects are mutable and shared by reference: a pytree copy of one (what
+  ``jax.tree.map`` makes) is a different object, and state written to the copy
+  (batch statistics, RNG counts) never reaches the user's. Flax is not
+  imported here: if ``flax.nnx`` has not been imported, no NNX object exists.
+
+  Args:
+    x: any object.
+
+  Returns:
+    ``True`` for objects that ``flax.nnx.graph.is_graph_node`` accepts.
+  """
+  graph = sys.modules.get("flax.nnx.graph")
+  return graph is not None and bool(graph.is_graph_node(x))
 
 
 def is_floating_array(x: Any) -> bool:

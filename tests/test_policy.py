@@ -122,6 +122,60 @@ def test_any_spelling_of_a_full_spec_parses(spec_and_dtypes):
   assert policy == mpx.Policy(dtypes["param"], dtypes["compute"], dtypes["output"])
 
 
+# jmp's dtype names (jmp/_src/policy.py): every one of them, spelled as jmp spells it.
+JMP_NAMES = (
+  "bf16",
+  "bfloat16",
+  "f16",
+  "float16",
+  "half",
+  "full",
+  "f32",
+  "float32",
+  "f64",
+  "float64",
+)
+JMP_KEYS = (("p", "params"), ("c", "compute"), ("o", "output"))
+
+
+@st.composite
+def _jmp_string(draw):
+  """A string jmp accepts: any subset and order of keys, long or short, repeats allowed."""
+  if draw(st.booleans()) and draw(st.booleans()):
+    return draw(st.sampled_from(JMP_NAMES))  # a bare dtype name
+  n = draw(st.integers(1, 4))  # up to 4 parts: a key may repeat (jmp keeps the last)
+  parts = []
+  for _ in range(n):
+    key = draw(st.sampled_from(draw(st.sampled_from(JMP_KEYS))))
+    parts.append(f"{key}={draw(st.sampled_from(JMP_NAMES))}")
+  return ",".join(parts)
+
+
+@FAST
+@hypothesis.given(_jmp_string())
+def test_every_jmp_string_gives_jmp_policy(spec):
+  # On CPU jmp's "half" is float16, so every string must agree dtype for dtype.
+  theirs = jmp.get_policy(spec)
+  ours = mpx.get_policy(spec)
+  assert (ours.param_dtype, ours.compute_dtype, ours.output_dtype) == tuple(
+    np.dtype(d) for d in (theirs.param_dtype, theirs.compute_dtype, theirs.output_dtype)
+  ), spec
+
+
+@pytest.mark.parametrize(
+  ("spec", "expected"),
+  [
+    ("c=bf16", "params=float32,compute=bfloat16,output=bfloat16"),
+    ("compute=half", "params=float32,compute=float16,output=float16"),
+    ("o=f32", "params=float32,compute=float32,output=float32"),
+    ("c=bf16,o=f32", "params=float32,compute=bfloat16,output=float32"),
+    ("p=f16,p=f32,c=bf16", "params=float32,compute=bfloat16,output=bfloat16"),
+  ],
+)
+def test_missing_params_default_to_float32_as_in_jmp(spec, expected):
+  assert str(mpx.get_policy(spec)) == expected
+
+
 def test_policy_is_returned_unchanged():
   policy = mpx.Policy(F32, F16, F32)
   assert mpx.get_policy(policy) is policy

@@ -9,7 +9,9 @@ presets, so existing jmp configs keep working.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -143,6 +145,11 @@ class Policy:
     )
 
 
+def _suggestion(word: str, choices: Iterable[str]) -> str:
+  close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+  return f" Did you mean {close[0]!r}?" if close else ""
+
+
 def _parse_string(spec: str) -> Policy:
   text = spec.strip().lower()
   if not text:
@@ -155,12 +162,15 @@ def _parse_string(spec: str) -> Policy:
   if "=" not in text:
     if text not in dtypes_lib.VALID_NAMES:
       raise errors.PolicyError(
-        f"Unknown precision policy {spec!r}. Write a preset ({', '.join(PRESETS)}), a dtype "
-        f"name meaning all three dtypes ({', '.join(dtypes_lib.VALID_NAMES)}), or "
+        f"Unknown precision policy {spec!r}.{_suggestion(text, (*PRESETS, *dtypes_lib.VALID_NAMES))}"
+        f" Write a preset ({', '.join(PRESETS)}), a dtype name meaning all three dtypes "
+        f"({', '.join(dtypes_lib.VALID_NAMES)}), or "
         "'params=<dtype>,compute=<dtype>,output=<dtype>' with the short keys p, c, o allowed."
       )
     dtype = dtypes_lib.parse_dtype(text)
     return Policy(dtype, dtype, dtype)
+  # jmp's grammar: params default to float32, compute to params, output to
+  # compute; a key given twice takes its last value.
   found: dict[str, np.dtype] = {}
   for part in re.split(r"\s*,\s*", text):
     key, sep, value = (s.strip() for s in part.partition("="))
@@ -168,24 +178,16 @@ def _parse_string(spec: str) -> Policy:
       raise errors.PolicyError(
         f"Cannot parse {part!r} in the policy {spec!r}: each part must be "
         "'<key>=<dtype>' with key one of params|p, compute|c, output|o, "
-        "e.g. 'params=float32,compute=bfloat16,output=float32'."
-      )
-    field = _KEYS[key]
-    if field in found:
-      raise errors.PolicyError(
-        f"The policy {spec!r} sets {field.removesuffix('_dtype')} twice; give each key once."
+        f"e.g. 'params=float32,compute=bfloat16,output=float32'.{_suggestion(key, _KEYS)}"
       )
     try:
-      found[field] = dtypes_lib.parse_dtype(value)
+      found[_KEYS[key]] = dtypes_lib.parse_dtype(value)
     except errors.PolicyError as e:
       # 'p=f32;c=bf16' fails on the value 'f32;c=bf16': name the policy and the likely fix.
       hint = " Separate the parts with commas." if re.search(r"[^a-z0-9_]", value) else ""
+      hint += _suggestion(value, dtypes_lib.VALID_NAMES)
       raise errors.PolicyError(f"In the policy {spec!r}: {e}{hint}") from e
-  if "param_dtype" not in found:
-    raise errors.PolicyError(
-      f"The policy {spec!r} does not set params; write 'params=<dtype>' (or 'p=<dtype>') "
-      "first, e.g. 'p=f32,c=bf16'."
-    )
+  found.setdefault("param_dtype", np.dtype(np.float32))
   found.setdefault("compute_dtype", found["param_dtype"])
   found.setdefault("output_dtype", found["compute_dtype"])
   return Policy(**found)
@@ -200,16 +202,21 @@ def get_policy(spec: str | Policy | Any) -> Policy:
     output f32), ``"mixed_float16"`` (params f32, compute f16, output f32),
     ``"bfloat16"`` and ``"float16"`` (all three half: inference, or training
     with float32 masters in the optimizer);
-  * jmp's grammar: ``"params=float32,compute=bfloat16,output=float32"``, with
-    the short keys ``p``, ``c``, ``o``; compute defaults to params and output
-    to compute when left out;
+  * jmp's grammar, in full: ``"params=float32,compute=bfloat16,output=float32"``,
+    with the short keys ``p``, ``c``, ``o`` in any order and subset; params
+    default to float32, compute to params and output to compute
+    (``"c=bf16"`` is ``params=float32,compute=bfloat16,output=bfloat16``), and
+    a key given twice takes its last value, as in ``jmp.get_policy``;
   * a bare dtype name, for all three dtypes: ``"bf16"``;
   * a :class:`Policy` (returned unchanged) or any object with ``param_dtype``,
     ``compute_dtype`` and ``output_dtype`` attributes, such as a ``jmp.Policy``.
 
-  Dtype names are ``float32|f32|full|single``, ``bfloat16|bf16``,
-  ``float16|f16|half`` (``half`` is float16 everywhere) and
-  ``float64|f64``; case and whitespace are ignored.
+  Dtype names are ``float32|f32|fp32|full|single``, ``bfloat16|bf16``,
+  ``float16|f16|fp16|half`` and ``float64|f64|fp64|double``; case and
+  whitespace are ignored. Every string ``jmp.get_policy`` accepts gives the
+  same policy here, with one deliberate difference: ``half`` is IEEE float16
+  on every platform (jmp picks bfloat16 on TPU), so that one config string
+  means the same numerics everywhere.
 
   Note that ``params=float16`` without float32 master weights is the failure
   mode of paper section 3.1: updates smaller than half an ulp of a weight are
@@ -224,12 +231,15 @@ def get_policy(spec: str | Policy | Any) -> Policy:
 
   Raises:
     PolicyError: the string cannot be parsed; the message lists the valid keys,
-      names and presets.
+      names and presets, and suggests the closest one (``"mixed_fp16"``: did
+      you mean ``'mixed_float16'``?).
 
   Example:
     >>> import mpx
     >>> print(mpx.get_policy("p=f32,c=bf16"))
     params=float32,compute=bfloat16,output=bfloat16
+    >>> print(mpx.get_policy("compute=half"))
+    params=float32,compute=float16,output=float16
   """
   if isinstance(spec, Policy):
     return spec

@@ -148,6 +148,24 @@ def test_optax_apply_updates_counterexamples():
     assert optax.apply_updates(params, updates)["w"] != jnp.float16(new)
 
 
+def test_optax_apply_updates_corrects_a_counterexample_on_the_next_step():
+  # Each update targets the cast master from the params it is given, so the
+  # one-step deviation of optax.apply_updates never accumulates, and it stays
+  # finite (65504 -> -65504 would otherwise need an update of -inf).
+  for old, new in [(65504.0, -65504.0), (1.0, 2.0**-24), (1000.0, 2.0**-14), (1.0, -0.0)]:
+    params = {"w": jnp.asarray(old, jnp.float16)}
+    tx = mpx.with_master_params(optax.sgd(1.0))
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.asarray(old - new, jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+    assert bool(jnp.isfinite(params["w"]))
+    updates, state = tx.update({"w": jnp.zeros((), jnp.float32)}, state, params)
+    params = optax.apply_updates(params, updates)
+    assert float(state.master_params["w"]) == new
+    # Equal as values: no sum p + u with p != -0 can give -0.0 itself.
+    assert params["w"] == jnp.float16(new)
+
+
 # ------------------------------------------------------------------ state
 
 

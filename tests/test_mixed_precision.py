@@ -1,6 +1,7 @@
 """Tests for mpx.mixed_precision and mpx.check_state: layouts (a) and (b) on real data."""
 
 import functools
+import warnings
 
 import chex
 import flax.linen as nn
@@ -84,7 +85,8 @@ def test_loss_curve_matches_float32(policy, tolerance):
   assert {leaf.dtype for leaf in jax.tree.leaves(params)} == {want}
   mpx.check_state(opt_state, params, policy)
   if want == jnp.float32:
-    assert mpx._src.master_params.find_master_params(opt_state) is None  # layout (a)
+    # layout (a): the masters wrapper holds no copy of a float32 param
+    assert jax.tree.leaves(opt_state.inner_state.master_params) == []
   else:
     masters = opt_state.inner_state.master_params
     chex.assert_trees_all_equal(params, jax.tree.map(lambda m: m.astype(want), masters))
@@ -124,7 +126,9 @@ def test_composition(policy, loss_scale, scaled, masters):
   state = tx.init(params)
   assert isinstance(state, mpx.LossScaleState)
   assert (float(state.loss_scale) != 1.0) == scaled
-  assert isinstance(state.inner_state, mpx.MasterParamsState) == masters
+  assert isinstance(state.inner_state, mpx.MasterParamsState)
+  # Copies exist exactly for the half-precision params.
+  assert bool(jax.tree.leaves(state.inner_state.master_params)) == masters
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, state), state)
   grads = jax.tree.map(lambda p: jnp.ones_like(p) * state.loss_scale.astype(p.dtype), params)
   updates, new_state = jax.jit(tx.update)(grads, state, params)
@@ -161,9 +165,47 @@ def test_check_state_catches_policy_mismatches():
   with pytest.raises(mpx.StateError, match="every floating param is wider"):
     mpx.check_state(state, params32, "float16")
   with pytest.warns(mpx.PrecisionWarning, match="no float32 master copy"):
-    no_masters = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16").init(params16)
+    no_masters = mpx.mixed_precision(optax.sgd(0.1), "float16", master_dtype=None).init(params16)
   with pytest.raises(mpx.StateError, match="masters were lost"):
     mpx.check_state(no_masters, params16, "float16")
   half_masters = mpx.mixed_precision(optax.sgd(0.1), "float16", master_dtype=jnp.bfloat16)
   with pytest.raises(mpx.ConfigError, match="cannot hold exactly"):
     half_masters.init(params16)
+
+
+def test_params_narrower_than_the_policy_warn_once_and_keep_masters():
+  # float16 params under "mixed_float16" (params float32): the user did call
+  # mixed_precision with its defaults; what is wrong is the params' dtype.
+  params = {"Dense_0": {"kernel": jnp.ones((2, 2), jnp.float16)}, "b": jnp.zeros(2)}
+  tx = mpx.mixed_precision(optax.sgd(1.0), "mixed_float16")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    state = tx.init(params)
+  assert [str(w.message) for w in caught] == [
+    "1 params (e.g. 'Dense_0/kernel', float16) are narrower than the policy's param dtype "
+    "float32 (policy params=float32,compute=float16,output=float32): the model was initialised "
+    "outside the policy. Float32 masters are kept for them, so training is correct, but the "
+    "forward pass reads float16 weights the policy did not ask for. Initialise the model under "
+    "the policy (mpx.linen.apply_policy(model, policy).init(...) or "
+    "mpx.nnx.apply_policy(model, policy)), cast the params with policy.cast_to_param(params), "
+    "or train with a policy whose params are float16 (e.g. "
+    "'params=float16,compute=float16,output=float32')."
+  ]
+  assert caught[0].category is mpx.PrecisionWarning
+  # The float16 leaf has a float32 master, so a small update is not rounded away.
+  masters = state.inner_state.master_params
+  assert masters["Dense_0"]["kernel"].dtype == jnp.float32 and masters["b"] is None
+  scale = state.loss_scale
+  grads = {
+    "Dense_0": {"kernel": jnp.full((2, 2), -1e-4 * scale, jnp.float16)},
+    "b": jnp.zeros(2),
+  }
+  _, state = tx.update(grads, state, params)
+  assert float(state.inner_state.master_params["Dense_0"]["kernel"][0, 0]) == np.float32(1.0001)
+
+
+def test_params_wider_than_the_policy_do_not_warn():
+  # Keep rules leave norms in float32 under a float16-params policy: that is fine.
+  params = {"kernel": jnp.ones((2, 2), jnp.float16), "norm": {"scale": jnp.ones(2)}}
+  tx = mpx.mixed_precision(optax.sgd(1.0), "params=float16,compute=float16,output=float32")
+  tx.init(params)  # filterwarnings=error: any warning fails the test

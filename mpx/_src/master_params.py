@@ -1,24 +1,4 @@
-"""Float32 master weights for half-precision params, as an optax wrapper.
-
-Paper section 3.1: a float16 weight of 1.0 does not move under an update
-smaller than half its ulp (``2**-11``), and bfloat16 loses everything below
-``2**-8``. :func:`with_master_params` keeps a float32 copy of every narrower
-floating param in the optimizer state, runs the inner transformation on float32
-gradients against those copies (so every moment it creates is float32 too),
-and returns updates that move each half-precision param to the cast of its new
-master.
-
-Exactness. ``optax.apply_updates`` computes ``(p + u).astype(p.dtype)`` in the
-param dtype, so the wrapper returns ``u = cast(new_master) - p``, rounded to the
-param dtype. That sum lands exactly on ``cast(new_master)`` whenever the
-difference is representable, which Sterbenz's lemma guarantees when the old and
-new param are within a factor of two of each other (every ordinary training
-step), and always when either is zero or both are subnormal. It cannot be exact
-for every input: ``65504 -> -65504`` in float16 needs an update that overflows,
-``1 -> 2**-24`` (a subnormal) needs one with more bits than float16 has, and no sum
-``p + u`` with ``p != -0`` gives ``-0.0``. :func:`apply_updates` is exact
-for every input, because it reads the new masters from the optimizer state.
-"""
+"""Float32 master weights for half-precision params, as an optax wrapper (paper section 3.1)."""
 
 from __future__ import annotations
 
@@ -172,21 +152,42 @@ def with_master_params(
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps float32 master copies of half-precision params (paper section 3.1).
 
-  ``init(params)`` stores a ``master_dtype`` copy of every floating param
-  narrower than ``master_dtype``; params already in ``master_dtype`` and
-  integer params get no copy. ``update(grads, state, params)`` casts the
-  gradients to ``master_dtype``, runs ``inner`` against the masters (so its
-  moments are ``master_dtype``), adds the inner updates to the masters in
-  ``master_dtype``, and returns for each copied leaf the param-dtype update
-  ``cast(new_master) - param``. Params without a master get the inner updates
-  unchanged.
+  A float16 weight of 1.0 does not move under an update smaller than half its
+  ulp (``2**-11``), and a bfloat16 one loses everything below ``2**-8``, so
+  plain optax on half params stalls. This wrapper keeps the weights that the
+  optimizer updates in ``master_dtype``:
 
-  Use :func:`mpx.apply_updates` to apply them: it returns exactly
-  ``new_master.astype(param.dtype)`` for every leaf. ``optax.apply_updates``
-  gives the same values whenever each param changes by less than a factor of
-  two in a step (see the module docstring for the exceptions). Put loss
-  scaling outside this wrapper (``mpx.mixed_precision`` does), so that a
-  skipped step leaves the masters untouched.
+  * ``init(params)`` stores a ``master_dtype`` copy of every floating param
+    narrower than ``master_dtype``; params already in ``master_dtype`` and
+    integer params get no copy (``None`` in the state), so float32 params cost
+    nothing;
+  * ``update(grads, state, params)`` casts the gradients to ``master_dtype``,
+    runs ``inner`` against the masters (so every moment it creates has
+    ``master_dtype``), adds the inner updates to the masters in
+    ``master_dtype``, and returns for each copied leaf the param-dtype update
+    ``cast(new_master) - param``. Params without a master get the inner
+    updates unchanged.
+
+  How exact the new params are depends on the call that applies the updates:
+
+  * :func:`mpx.apply_updates` returns ``new_master.astype(param.dtype)`` bit
+    for bit for every leaf.
+  * ``optax.apply_updates``, which ``nnx.Optimizer.update`` and Flax's
+    ``TrainState.apply_gradients`` call, computes ``param + update`` in the
+    param dtype. That lands exactly on ``cast(new_master)`` whenever the
+    difference is representable, which Sterbenz's lemma guarantees when the
+    old and new param are within a factor of two of each other (every
+    ordinary training step), and always when either is zero or both are
+    subnormal. No update can be exact for every input: ``65504 -> -65504``
+    in float16 needs an update that overflows, ``1 -> 2**-24`` one with more
+    bits than float16 has, and no sum ``p + u`` with ``p != -0`` gives
+    ``-0.0``. Such a deviation stays finite (an update beyond the param
+    dtype's range is clamped to it) and does not accumulate: each update
+    moves the params it is given to the cast of the new masters, so the next
+    step corrects it.
+
+  Put loss scaling outside this wrapper (``mpx.mixed_precision`` does), so
+  that a skipped step leaves the masters untouched.
 
   Args:
     inner: the optimizer to run in ``master_dtype``, e.g. ``optax.adamw(3e-4)``.
@@ -194,8 +195,9 @@ def with_master_params(
       wide as every floating param.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose ``update`` requires
-    ``params`` and forwards extra arguments to ``inner``.
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    :class:`MasterParamsState` and whose ``update`` requires ``params`` and
+    forwards extra arguments to ``inner``.
 
   Raises:
     PolicyError: ``master_dtype`` is not a floating dtype mpx supports.
@@ -269,7 +271,14 @@ def with_master_params(
         return u
       # The difference of two param-dtype values is computed in the master
       # dtype, where it is exact whenever it is representable at all.
-      return (m.astype(p.dtype).astype(m.dtype) - p.astype(m.dtype)).astype(p.dtype)
+      target = m.astype(p.dtype)
+      diff = target.astype(m.dtype) - p.astype(m.dtype)
+      # A weight flipping from +max to -max needs a difference beyond the param
+      # dtype's range, which would round to inf and make p + u non-finite.
+      # Clamped, p + u stays finite and the next update lands on the master.
+      big = float(jnp.finfo(p.dtype).max)
+      diff = jnp.where(jnp.isfinite(target), jnp.clip(diff, -big, big), diff)
+      return diff.astype(p.dtype)
 
     param_updates = jax.tree.map(
       to_param_update, new_masters, params, inner_updates, is_leaf=_is_none
@@ -308,12 +317,14 @@ def apply_updates(
   """Applies updates exactly: each param becomes the cast of its new master.
 
   The drop-in replacement of ``optax.apply_updates`` for half-precision params
-  with float32 masters (layout (b)). For every leaf with a master in
-  ``opt_state`` it returns ``master.astype(param.dtype)`` bit for bit, which
-  ``optax.apply_updates`` cannot always do (see :func:`with_master_params`);
-  the update of such a leaf is not used. Every other leaf gets
-  ``(param + update).astype(param.dtype)`` as in optax. Without masters in
-  ``opt_state`` (float32 params, layout (a)) it is ``optax.apply_updates``.
+  with float32 masters (layout (b), paper section 3.1). For every leaf with a
+  master in ``opt_state`` it returns ``master.astype(param.dtype)`` bit for
+  bit, which ``optax.apply_updates`` cannot always do (see
+  :func:`with_master_params`); the update of such a leaf is not used. Every
+  other leaf gets ``(param + update).astype(param.dtype)`` as in optax. Without
+  masters in ``opt_state`` it is ``optax.apply_updates``, so it is the one call
+  that fits every policy. It reads the masters that ``update`` wrote and
+  checked; nothing is validated twice.
 
   Args:
     params: the params the updates were computed for.
@@ -324,18 +335,22 @@ def apply_updates(
     The new params, with the structure and dtypes of ``params``.
 
   Raises:
-    StateError: ``opt_state`` holds masters that do not fit ``params``.
-    TreeStructureError: ``updates`` and ``params`` differ in structure.
+    StateError: ``opt_state``'s masters do not have the structure of ``params``.
   """
   masters = find_master_params(opt_state)
   if masters is None:
     return optax.apply_updates(params, updates)
-  tree_lib.check_same_structure(updates, params, names=("updates", "params"))
-  check_masters(masters, params)
-  return jax.tree.map(
-    lambda m, p, u: optax.apply_updates(p, u) if m is None else m.astype(p.dtype),
-    masters,
-    params,
-    updates,
-    is_leaf=_is_none,
-  )
+  try:
+    return jax.tree.map(
+      lambda m, p, u: optax.apply_updates(p, u) if m is None else m.astype(p.dtype),
+      masters,
+      params,
+      updates,
+      is_leaf=_is_none,
+    )
+  except ValueError as e:
+    raise errors.StateError(
+      f"The master params in the optimizer state do not have the tree structure of the "
+      f"params or updates ({e}). Pass the params the updates were computed for, and the "
+      "optimizer state tx.update returned with them."
+    ) from None

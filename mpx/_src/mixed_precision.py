@@ -1,17 +1,9 @@
-"""One optimizer for mixed-precision training: loss scaling around master weights.
-
-:func:`mixed_precision` composes the pieces in the order of the paper's
-figure 1 (sections 3.1 and 3.2): unscale the gradients to float32, check that
-they are finite, then either skip the step (masters and moments untouched) or
-run the inner optimizer on the float32 masters, and cast the result back to
-the params' dtype. Loss scaling sits *outside* the master weights, so a skipped
-step never touches a master. :func:`check_state` validates a restored
-optimizer state against a policy, once, outside the train step.
-"""
+"""One optimizer for mixed-precision training: loss scaling around master weights."""
 
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -60,6 +52,30 @@ def _loss_scaling(
   )
 
 
+def _warn_on_narrow_params(params: optax.Params, policy: policy_lib.Policy) -> None:
+  """Warns when params are narrower than the policy stores them (wider is fine: keep rules)."""
+  want = policy.param_dtype
+  narrow = [
+    (path, leaf.dtype)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    if tree_lib.is_floating_array(leaf) and not dtypes_lib.can_hold(leaf.dtype, want)
+  ]
+  if not narrow:
+    return
+  path, dtype = narrow[0]
+  warnings.warn(
+    f"{len(narrow)} params (e.g. {tree_lib.path_str(path)!r}, {dtype}) are narrower than the "
+    f"policy's param dtype {want} (policy {policy}): the model was initialised outside the "
+    "policy. Float32 masters are kept for them, so training is correct, but the forward pass "
+    f"reads {dtype} weights the policy did not ask for. Initialise the model under the policy "
+    "(mpx.linen.apply_policy(model, policy).init(...) or mpx.nnx.apply_policy(model, policy)), "
+    f"cast the params with policy.cast_to_param(params), or train with a policy whose params "
+    f"are {dtype} (e.g. 'params={dtype},compute={dtype},output=float32').",
+    errors.PrecisionWarning,
+    stacklevel=3,
+  )
+
+
 def mixed_precision(
   inner: optax.GradientTransformation,
   policy: policy_lib.Policy | str,
@@ -69,21 +85,30 @@ def mixed_precision(
 ) -> optax.GradientTransformationExtraArgs:
   """Wraps an optax optimizer for training under a precision policy.
 
-  Builds ``loss_scale(with_master_params(inner))``: gradients of the scaled
-  loss are unscaled to float32 and checked; a non-finite step is skipped with
-  the masters and moments untouched; otherwise ``inner`` runs on float32
+  Builds ``loss_scale(with_master_params(inner))``, in the order of the
+  paper's figure 1 (sections 3.1 and 3.2): gradients of the scaled loss are
+  unscaled to float32 and checked; a non-finite step is skipped with the
+  masters and moments untouched; otherwise ``inner`` runs on float32
   gradients against float32 masters and the new masters are cast back to the
-  params' dtype (paper sections 3.1 and 3.2). Use it with
-  ``mpx.value_and_grad(loss_fn, opt_state)`` and :func:`mpx.apply_updates`.
+  params' dtype. Use it with ``mpx.value_and_grad(loss_fn, opt_state)`` and
+  :func:`mpx.apply_updates`.
 
-  Two layouts (see ``docs/memory.md`` for bytes per parameter):
+  Two layouts (bytes per parameter with adamw: 12 and 14):
 
   * (a) ``param_dtype=float32`` (``"mixed_float16"``, ``"mixed_bfloat16"``):
-    params are cast to the compute dtype in the forward pass; no masters are
-    kept, since the params already are float32.
+    params are cast to the compute dtype in the forward pass; the masters
+    wrapper holds no copy, since the params already are float32.
   * (b) half ``param_dtype`` (``"params=float16,compute=float16,..."``):
     float32 masters live in the optimizer state; the forward and backward
-    read half the bytes.
+    read half the bytes. Apply updates with :func:`mpx.apply_updates` for
+    params that are exactly the rounding of their masters; Flax's
+    ``nnx.Optimizer`` and ``TrainState``, which call ``optax.apply_updates``,
+    agree with it except in the corner cases :func:`mpx.with_master_params`
+    lists.
+
+  Masters follow the params, not the policy: any floating param narrower than
+  ``master_dtype`` gets one. ``init`` warns when a param is narrower than the
+  policy's param dtype (a model initialised outside the policy).
 
   ``loss_scale="dynamic"`` picks dynamic scaling when the compute or param
   dtype is float16, and ``mpx.no_loss_scale`` (a no-op with the same state)
@@ -102,16 +127,16 @@ def mixed_precision(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
-    ``mpx.LossScaleState``, holding an :class:`mpx.MasterParamsState` in
-    layout (b). ``update`` requires ``params``.
+    ``mpx.LossScaleState`` holding an :class:`mpx.MasterParamsState`
+    (unless ``master_dtype=None``). ``update`` requires ``params``.
 
   Raises:
     PolicyError: ``policy`` or ``master_dtype`` cannot be parsed.
     ConfigError: ``loss_scale`` is not understood or out of range.
 
   Warns:
-    PrecisionWarning: at ``init``, when half-precision params meet
-    ``master_dtype=None`` (every loss-scaling transformation checks this).
+    PrecisionWarning: at ``init``, when a param is narrower than the policy's
+    param dtype, or when half-precision params meet ``master_dtype=None``.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -126,9 +151,15 @@ def mixed_precision(
   """
   policy = policy_lib.get_policy(policy)
   tx = inner
-  if dtypes_lib.is_half(policy.param_dtype) and master_dtype is not None:
+  if master_dtype is not None:
     tx = master_params_lib.with_master_params(tx, master_dtype=master_dtype)
-  return _loss_scaling(loss_scale, policy)(tx)
+  tx = _loss_scaling(loss_scale, policy)(tx)
+
+  def init_fn(params: optax.Params) -> optax.OptState:
+    _warn_on_narrow_params(params, policy)
+    return tx.init(params)
+
+  return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
 def check_state(

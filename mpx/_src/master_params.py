@@ -176,15 +176,16 @@ def with_master_params(
     ``TrainState.apply_gradients`` call, computes ``param + update`` in the
     param dtype. That lands exactly on ``cast(new_master)`` whenever the
     difference is representable, which Sterbenz's lemma guarantees when the
-    old and new param are within a factor of two of each other (every
-    ordinary training step), and always when either is zero or both are
-    subnormal. No update can be exact for every input: ``65504 -> -65504``
-    in float16 needs an update that overflows, ``1 -> 2**-24`` one with more
-    bits than float16 has, and no sum ``p + u`` with ``p != -0`` gives
-    ``-0.0``. Such a deviation stays finite (an update beyond the param
-    dtype's range is clamped to it) and does not accumulate: each update
-    moves the params it is given to the cast of the new masters, so the next
-    step corrects it.
+    old and new param are within a factor of two of each other, and always
+    when either is zero or both are subnormal. A small weight that crosses
+    zero or halves in one step can miss by at most one ulp of that step's
+    move (about 0.1% of element-steps of an Adam run in float16 or
+    bfloat16), and some moves no update can make (``1 -> 2**-24`` needs more
+    bits than float16 has; no sum ``p + u`` with ``p != -0`` gives ``-0.0``;
+    ``65504 -> -65504`` needs an update beyond float16's range, which is
+    clamped to it so ``p + u`` stays finite). Such a miss never accumulates:
+    the masters stay exact and each update moves the params it is given to
+    the cast of the new masters, so the next step corrects it.
 
   Put loss scaling outside this wrapper (``mpx.mixed_precision`` does), so
   that a skipped step leaves the masters untouched.

@@ -9,11 +9,15 @@ float32. The train step differs from a float32 one by three lines:
 check, skip, adjust; float32 masters when params are half) and
 ``mpx.value_and_grad`` (scaled gradients, true loss).
 
-The run starts from a deliberately huge scale (2**24) so the first steps
-overflow and are skipped while the scale backs off, then grows the scale again
-every ``--growth-interval`` finite steps. It exits with status 1 if training
-diverged (gradients overflowed at the floor scale) or the final loss is not
-finite.
+The optimizer uses mpx's documented default, ``loss_scale="dynamic"``: dynamic
+scaling under float16 and a no-op scale of 1 under ``mixed_bfloat16`` or
+``float32``. To watch the scaler work, ``--initial-scale 16777216`` starts
+from a deliberately huge scale (2**24), so the first steps overflow and are
+skipped while the scale backs off, and ``--growth-interval 100`` grows it again
+every 100 finite steps; either flag builds ``mpx.dynamic_loss_scale``
+explicitly, which scales under every policy, and the run says so. It exits
+with status 1 if training diverged (gradients overflowed at the floor scale) or
+the final loss is not finite.
 
 Run: ``python examples/float16_dynamic_loss_scale.py --steps 600``
 """
@@ -61,8 +65,8 @@ def main() -> int:
   parser.add_argument("--steps", type=int, default=600)
   parser.add_argument("--batch-size", type=int, default=64)
   parser.add_argument("--log-every", type=int, default=50)
-  parser.add_argument("--growth-interval", type=int, default=100)
-  parser.add_argument("--initial-scale", type=float, default=2.0**24)
+  parser.add_argument("--growth-interval", type=int, default=None)
+  parser.add_argument("--initial-scale", type=float, default=None)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--policy", default="mixed_float16", help="e.g. float32, mixed_bfloat16")
   args = parser.parse_args()
@@ -71,10 +75,15 @@ def main() -> int:
   policy = mpx.get_policy(args.policy)
   model = mpx.linen.apply_policy(Cnn(), policy)
   params = model.init(jax.random.key(args.seed), x_train[:1])["params"]
-  scaler = functools.partial(
-    mpx.dynamic_loss_scale, initial_scale=args.initial_scale, growth_interval=args.growth_interval
-  )
-  tx = mpx.mixed_precision(optax.adamw(3e-3, weight_decay=1e-4), policy, loss_scale=scaler)
+  loss_scale = "dynamic"  # the documented default: a no-op unless float16 is in the policy
+  if args.initial_scale is not None or args.growth_interval is not None:
+    loss_scale = functools.partial(
+      mpx.dynamic_loss_scale,
+      initial_scale=args.initial_scale,
+      growth_interval=args.growth_interval,
+    )
+    print("loss scale: explicit mpx.dynamic_loss_scale (scales under every policy)")
+  tx = mpx.mixed_precision(optax.adamw(3e-3, weight_decay=1e-4), policy, loss_scale=loss_scale)
   opt_state = tx.init(params)
   print(f"policy: {policy}")
 

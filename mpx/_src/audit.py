@@ -1,34 +1,4 @@
-"""A matmul and convolution dtype audit of a lowered JAX program.
-
-:func:`audit` lowers a function with ``jax.jit(fn).lower(*args)`` (nothing is
-compiled and no accelerator is needed), walks the StableHLO module and returns
-one record per ``dot_general`` / ``dot`` / ``convolution``: operand and result
-dtypes, shapes, FLOPs and share of the total, the Flax module that issued it
-and whether it belongs to the backward pass. It answers the question the paper
-(section 3.3) leaves to the user: did every product actually run with
-half-precision operands, or did a layer left at ``dtype=None`` promote its
-inputs back to float32 and run a float32 GEMM? It also flags GEMM dimensions
-that are not multiples of 8, which Tensor Cores need (seed 004).
-
-Where the module path comes from. JAX records a name stack on every op
-(``jit(step)/transpose(jvp(Decoder))/Block_0/Dense_0/dot_general``). Flax
-linen pushes one name per module call, so the audit strips the transformation
-wrappers (``jvp(...)``, ``transpose(...)``; a ``transpose`` marks a backward
-op), function names (``jit(...)``), einsum specs, JAX's own scopes (``while``,
-``body``, ``checkpoint``...) and the primitive, leaving ``Decoder/Block_0/
-Dense_0``: the root module's class name, then the path of the params. NNX
-pushes no names; there the path is rebuilt from the Python call stack kept in
-the location (``NnxDecoder/NnxBlock/NnxMlp/Linear``: class names, a method
-other than ``__call__`` appended as ``.method``).
-
-What is counted. Ops in called functions (``func.call``) count once per static
-call site. Ops in ``while`` bodies (``lax.scan``, ``fori_loop``) count ONCE,
-not once per iteration: the trip count is not part of the program text, so
-FLOP shares of scanned layers are understated by their trip count. Ops that
-``jax.checkpoint`` recomputes in the backward pass appear as backward ops.
-
-Only JAX is imported: no Flax and no optax, so the audit works on any function.
-"""
+"""A matmul and convolution dtype audit of a lowered JAX program (paper section 3.3)."""
 
 from __future__ import annotations
 
@@ -257,6 +227,29 @@ def audit(
 
   ``policy`` is keyword-only and is not passed to ``fn``; to audit a function
   that itself takes a ``policy`` keyword, bind it with ``functools.partial``.
+
+  The report answers the question the paper leaves to the user: did every
+  product run with half-precision operands, or did a layer left at
+  ``dtype=None`` promote its inputs back to float32 and run a float32 GEMM? It
+  also flags GEMM dimensions that are not multiples of 8, which Tensor Cores
+  need. No accelerator is needed: only the StableHLO text is read.
+
+  Where the module path comes from: JAX records a name stack on every op
+  (``jit(step)/transpose(jvp(Decoder))/Block_0/Dense_0/dot_general``). Flax
+  linen pushes one name per module call, so the audit strips the
+  transformation wrappers (``jvp(...)``, ``transpose(...)``; a ``transpose``
+  marks a backward op), function names (``jit(...)``), einsum specs, JAX's own
+  scopes (``while``, ``body``, ``checkpoint``...) and the primitive, leaving
+  ``Decoder/Block_0/Dense_0``: the root module's class name, then the path of
+  the params. NNX pushes no names; there the path is rebuilt from the Python
+  call stack kept in the location (``NnxDecoder/NnxBlock/NnxMlp/Linear``:
+  class names, a method other than ``__call__`` appended as ``.method``).
+
+  What is counted: ops in called functions count once per static call site.
+  Ops in ``while`` bodies (``lax.scan``, ``fori_loop``) count once, not once
+  per iteration, since the trip count is not part of the program text, so the
+  FLOP shares of scanned layers are understated by their trip count. Ops that
+  ``jax.checkpoint`` recomputes in the backward pass appear as backward ops.
 
   Args:
     fn: the function to audit, plain or jitted.

@@ -1,4 +1,4 @@
-"""Reading matmuls and convolutions out of a StableHLO module (for :mod:`mpx._src.audit`).
+"""Reading matmuls and convolutions out of a StableHLO module, for the audit.
 
 Generic MLIR calls only (operation names, operand types, attributes as text,
 locations), so no jaxlib dialect internals are imported.

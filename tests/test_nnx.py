@@ -177,3 +177,46 @@ def test_nnx_optimizer_with_mixed_precision_reads_the_scale_from_its_state(spec,
   metrics = mpx.loss_scale_metrics(optimizer.opt_state)
   assert float(metrics["loss_scale"]) == float(mpx.get_loss_scale(optimizer.opt_state)) > 1.0
   assert int(metrics["skipped_steps"]) + int(metrics["growth_tracker"]) == 30
+
+
+class _DropoutNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(8, 32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs: nnx.Rngs):
+    return self.dropout(self.linear(x), rngs=rngs)
+
+
+def _dropout_masks(policy, steps):
+  """Trains ``steps`` steps with dropout; returns the Rngs count and each step's mask."""
+  model = _DropoutNet(nnx.Rngs(0))
+  if policy is not None:
+    mpx.nnx.apply_policy(model, policy)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  rngs = nnx.Rngs(dropout=1)
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+
+  def loss_fn(m, rngs):
+    y = m(x, rngs)
+    return jnp.mean(jnp.square(y.astype(jnp.float32))), y != 0
+
+  @nnx.jit
+  def step(m, opt, rngs):
+    (_, mask), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m, rngs)
+    opt.update(m, grads)
+    return mask
+
+  masks = [step(model, optimizer, rngs) for _ in range(steps)]
+  return int(rngs.dropout.count[...]), masks
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_bfloat16"])
+def test_rngs_passed_to_the_model_advance_as_without_a_policy(name):
+  # The root's input cast must hand the model the caller's Rngs, not a pytree copy of it.
+  count, masks = _dropout_masks(name, steps=3)
+  reference_count, reference_masks = _dropout_masks(None, steps=3)
+  assert count == reference_count == 3
+  assert not jnp.array_equal(masks[0], masks[1]) and not jnp.array_equal(masks[1], masks[2])
+  for mask, reference in zip(masks, reference_masks, strict=True):
+    assert jnp.array_equal(mask, reference)

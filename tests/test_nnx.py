@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -93,6 +94,38 @@ def test_train_step_with_optimizer_jit_and_split_merge(name):
   half = {"mixed_bfloat16": "bf16", "mixed_float16": "f16"}[name]
   lines = [ln.split(":")[-1].split("->")[0] for ln in text.splitlines() if "dot_general" in ln]
   assert lines and all(ln.count(f"x{half}>") == 2 for ln in lines)
+
+
+class _PinnedMlp(nnx.Module):
+  """Every layer pinned to one floating dtype, as a user may write it."""
+
+  def __init__(self, pinned, rngs: nnx.Rngs):
+    self.up = nnx.Linear(16, 8, dtype=pinned, param_dtype=pinned, rngs=rngs)
+    self.down = nnx.Linear(8, 4, dtype=pinned, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("pinned", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
+def test_layers_pinned_to_any_floating_dtype_follow_the_policy(pinned, name):
+  policy = mpx.get_policy(name)
+  model = mpx.nnx.apply_policy(_PinnedMlp(pinned, nnx.Rngs(0)), policy)
+  assert {np.dtype(p.dtype) for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+    np.dtype(jnp.float32)
+  }
+  x = jnp.ones((8, 16))
+  assert model(x).dtype == jnp.float32
+  graphdef, state = nnx.split(model)
+
+  def loss(s):
+    return nnx.merge(graphdef, s)(x).sum()
+
+  report = mpx.audit(jax.value_and_grad(loss), state, policy=policy)
+  compute = np.dtype(policy.compute_dtype)
+  assert len(report.ops) == 5, str(report)  # two forward products, three backward
+  assert {(op.lhs_dtype, op.rhs_dtype) for op in report.ops} == {(compute, compute)}, str(report)
 
 
 def test_batchnorm_train_mode_stats_float32():

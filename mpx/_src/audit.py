@@ -8,7 +8,7 @@ and whether it belongs to the backward pass. It answers the question the paper
 (section 3.3) leaves to the user: did every product actually run with
 half-precision operands, or did a layer left at ``dtype=None`` promote its
 inputs back to float32 and run a float32 GEMM? It also flags GEMM dimensions
-that are not multiples of 8, which Tensor Cores need (seed 004).
+that are not multiples of 8, which Tensor Cores need.
 
 Where the module path comes from. JAX records a name stack on every op
 (``jit(step)/transpose(jvp(Decoder))/Block_0/Dense_0/dot_general``). Flax
@@ -102,7 +102,7 @@ class MatmulOp:
   def is_float32_or_wider(self) -> bool:
     """Whether either operand is a float of 32 bits or more."""
     return any(
-      np.issubdtype(d, np.floating) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
+      dtypes_lib.is_floating(d) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
     )
 
 

@@ -3,10 +3,14 @@
 Implements the three techniques of Micikevicius et al., *Mixed Precision
 Training* (ICLR 2018): float32 master weights, loss scaling, and
 half-precision arithmetic accumulated in float32.
+
+The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
+imported on first use: ``import mpx`` does not import Flax.
 """
 
-from mpx import linen as linen
-from mpx import nnx as nnx
+import importlib as _importlib
+import typing as _typing
+
 from mpx._src.audit import AuditReport as AuditReport
 from mpx._src.audit import MatmulOp as MatmulOp
 from mpx._src.audit import audit as audit
@@ -21,6 +25,7 @@ from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
 from mpx._src.keep import KeepRules as KeepRules
 from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
+from mpx._src.kernels import dot_product_attention as dot_product_attention
 from mpx._src.kernels import softmax as softmax
 from mpx._src.loss_scaling import LossScaleState as LossScaleState
 from mpx._src.loss_scaling import all_finite as all_finite
@@ -39,7 +44,13 @@ from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
 from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
 
+if _typing.TYPE_CHECKING:
+  from mpx import linen as linen
+  from mpx import nnx as nnx
+
 __version__ = "0.1.0"
+
+_LAZY_SUBMODULES = ("linen", "nnx")
 
 __all__ = (
   "AuditReport",
@@ -63,6 +74,7 @@ __all__ = (
   "cast_tree",
   "check_loss_scale",
   "check_state",
+  "dot_product_attention",
   "dynamic_loss_scale",
   "get_loss_scale",
   "get_policy",
@@ -76,3 +88,15 @@ __all__ = (
   "value_and_grad",
   "with_master_params",
 )
+
+
+def __getattr__(name: str) -> _typing.Any:
+  # PEP 562: the Flax submodules load on first access, so pure JAX and optax
+  # users of mpx never import Flax.
+  if name in _LAZY_SUBMODULES:
+    return _importlib.import_module(f"mpx.{name}")
+  raise AttributeError(f"module 'mpx' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+  return sorted({*globals(), *_LAZY_SUBMODULES})

@@ -1,17 +1,19 @@
-"""Flax linen integration: run an unmodified linen model under a precision policy."""
+"""Flax linen integration: run an unmodified linen model under a precision policy.
 
-from mpx._src.keep import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
-from mpx._src.keep import KeepRules as KeepRules
-from mpx._src.kernels import dot_product_attention as dot_product_attention
-from mpx._src.kernels import softmax as softmax
+:func:`apply_policy` wraps a model so that its ``init``, ``apply`` and
+``tabulate`` run every layer under the policy (see its docstring for what each
+layer receives); :class:`mpx.KeepRules` gives chosen layers a policy of their
+own, and :data:`DEFAULT_KEEP_CLASSES` lists the normalisation layers kept in
+float32 by default. Importing this module imports ``flax.linen``, never
+``flax.nnx``.
+"""
+
+from mpx._src.linen import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
 from mpx._src.linen import PolicyModel as PolicyModel
 from mpx._src.linen import apply_policy as apply_policy
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
-  "KeepRules",
   "PolicyModel",
   "apply_policy",
-  "dot_product_attention",
-  "softmax",
 )

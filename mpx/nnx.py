@@ -1,15 +1,16 @@
-"""Flax NNX integration: set an NNX model's layers to a precision policy."""
+"""Flax NNX integration: set an NNX model's layers to a precision policy, in place.
 
-from mpx._src.keep import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
-from mpx._src.keep import KeepRules as KeepRules
-from mpx._src.kernels import dot_product_attention as dot_product_attention
-from mpx._src.kernels import softmax as softmax
+:func:`apply_policy` writes the policy into every layer of the graph and casts
+its params (see its docstring for what each layer receives);
+:class:`mpx.KeepRules` gives chosen layers a policy of their own, and
+:data:`DEFAULT_KEEP_CLASSES` lists the normalisation layers kept in float32 by
+default.
+"""
+
+from mpx._src.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
 from mpx._src.nnx import apply_policy as apply_policy
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
-  "KeepRules",
   "apply_policy",
-  "dot_product_attention",
-  "softmax",
 )

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -285,6 +286,20 @@ def test_host_and_python_leaves_are_kept_as_they_are():
   assert isinstance(out["scalar"], np.generic) and out["scalar"].dtype == BF16
   for name in ("lr", "n", "name", "policy"):
     assert out[name] is tree[name]
+
+
+def test_nnx_objects_are_returned_unchanged():
+  # NNX objects are mutable and shared by reference: a copy would receive the writes
+  # (RNG counts, batch statistics) meant for the caller's object.
+  rngs = nnx.Rngs(0)
+  layer = nnx.Linear(2, 3, rngs=rngs)
+  tree = {"layer": layer, "rngs": rngs, "kernel": layer.kernel, "x": jnp.ones(2)}
+  out = mpx.cast_tree(tree, jnp.bfloat16)
+  for name in ("layer", "rngs", "kernel"):
+    assert out[name] is tree[name]
+  assert layer.kernel.dtype == F32 and out["x"].dtype == BF16
+  state = mpx.cast_tree(nnx.state(layer), jnp.bfloat16)  # holds the layer's own Variables
+  assert state["kernel"] is layer.kernel and layer.kernel.dtype == F32
 
 
 def test_dtype_may_be_a_name():

@@ -1,44 +1,80 @@
-"""Tests for mpx._src.keep: rule resolution, float32 softmax, float32 accumulation."""
+"""Tests for mpx.KeepRules and how the Flax adapters resolve them into layer policies."""
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import mpx
-from mpx._src import keep, kernels
+from mpx._src import layer_policy
 
-_DOT_DIMS = (((1,), (0,)), ((), ()))
-
-
-def _matmul_lines(fn, *args):
-  text = jax.jit(fn).lower(*args).as_text()
-  return [line for line in text.splitlines() if "dot_general" in line or "convolution" in line]
+F32 = mpx.get_policy("float32")
+MODEL = mpx.get_policy("mixed_bfloat16")
 
 
-def test_default_rules_pin_norms_to_float32():
+def _layers(rules, tree=None, *, norm_classes=mpx.linen.DEFAULT_KEEP_CLASSES):
+  """A resolver over ``tree``: ``{module: (path, parent or None)}``."""
+  tree = tree or {}
+  return layer_policy.LayerPolicies(
+    MODEL,
+    rules,
+    norm_classes=norm_classes,
+    parent_of=lambda m: tree.get(m, ("", None))[1],
+    path_of=lambda m: tree.get(m, ("", None))[0],
+  )
+
+
+def test_default_rules_pin_each_apis_own_norms_to_float32():
   rules = mpx.KeepRules()
-  assert rules.own_policy(nn.LayerNorm(), "LayerNorm_0") == keep.FLOAT32
-  assert rules.own_policy(nn.BatchNorm(), "x") == keep.FLOAT32
-  assert rules.own_policy(nn.Dense(2), "Dense_0") is None
+  for norm in (nn.LayerNorm(), nn.BatchNorm(), nn.RMSNorm(), nn.GroupNorm()):
+    assert _layers(rules).policy_at(norm) == F32
+  assert _layers(rules).policy_at(nn.Dense(2)) == MODEL
+  rngs = nnx.Rngs(0)
+  nnx_norm = nnx.LayerNorm(4, rngs=rngs)
+  assert _layers(rules, norm_classes=mpx.nnx.DEFAULT_KEEP_CLASSES).policy_at(nnx_norm) == F32
+  assert _layers(rules).policy_at(nnx_norm) == MODEL  # linen's adapter pins linen's norms
+  assert _layers(mpx.KeepRules(norms_in_float32=False)).policy_at(nn.LayerNorm()) == MODEL
+
+
+def test_an_explicit_class_rule_wins_over_the_norm_default():
+  rules = mpx.KeepRules().with_class(nn.LayerNorm, "mixed_float16")
+  assert _layers(rules).policy_at(nn.LayerNorm()).compute_dtype == jnp.float16
+  assert _layers(rules).policy_at(nn.BatchNorm()) == F32
+  again = rules.with_class(nn.LayerNorm, "float32")
+  assert len(again.classes) == 1 and _layers(again).policy_at(nn.LayerNorm()) == F32
 
 
 def test_precedence_instance_over_path_over_class():
   layer = nn.Dense(2)
   rules = mpx.KeepRules().with_class(nn.Dense, "bfloat16").with_path("head", "float16")
-  assert (
-    str(rules.own_policy(layer, "Dense_0")) == "params=bfloat16,compute=bfloat16,output=bfloat16"
+  assert str(_layers(rules, {layer: ("Dense_0", None)}).policy_at(layer)) == (
+    "params=bfloat16,compute=bfloat16,output=bfloat16"
   )
-  assert str(rules.own_policy(layer, "head")) == "params=float16,compute=float16,output=float16"
-  rules = rules.with_instance(layer, "float32")
-  assert rules.own_policy(layer, "head") == keep.FLOAT32
+  assert str(_layers(rules, {layer: ("head", None)}).policy_at(layer)) == (
+    "params=float16,compute=float16,output=float16"
+  )
+  rules = rules.with_path("^he", "float32")  # the later path rule wins
+  assert _layers(rules, {layer: ("head", None)}).policy_at(layer) == F32
+  rules = rules.with_instance(layer, "mixed_float16")
+  assert _layers(rules, {layer: ("head", None)}).policy_at(layer) == mpx.get_policy("mixed_float16")
 
 
-def test_later_class_rule_overrides_default_and_can_be_removed():
-  rules = mpx.KeepRules().with_class(nn.LayerNorm, "mixed_bfloat16")
-  assert rules.own_policy(nn.LayerNorm(), "n").compute_dtype == jnp.bfloat16
-  assert rules.without_class(nn.LayerNorm).own_policy(nn.LayerNorm(), "n") is None
+def test_subtree_inherits_and_boundaries_cast_where_compute_changes():
+  root, block, dense, norm = nn.Dense(1), nn.Dense(2), nn.Dense(3), nn.LayerNorm()
+  tree = {
+    root: ("", None),
+    block: ("block", root),
+    dense: ("block/dense", block),
+    norm: ("block/norm", block),
+  }
+  layers = _layers(mpx.KeepRules(paths={"^block$": "mixed_float16"}), tree)
+  f16, bf16, f32 = (np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
+  assert layers.policy_at(dense).compute_dtype == jnp.float16  # inherited from block
+  assert layers.boundary(root) == (bf16, f32)  # the root casts to the output dtype
+  assert layers.boundary(block) == (f16, bf16)
+  assert layers.boundary(dense) is None
+  assert layers.boundary(norm) == (f32, f16)
 
 
 def test_bad_rules_raise():
@@ -50,79 +86,17 @@ def test_bad_rules_raise():
     mpx.KeepRules(paths={"x": "float12"})
 
 
-def test_unmatched_path_rule_warns_with_paths():
-  rules = mpx.KeepRules(paths={"nothere": "float32"})
-  with pytest.warns(mpx.PrecisionWarning, match=r"Dense_0, Dense_1"):
-    keep.check_paths_matched(rules, set(), ["Dense_1", "Dense_0", ""])
+def test_unmatched_path_rule_warns_with_the_paths_seen():
+  root, a, b = nn.Dense(1), nn.Dense(2), nn.Dense(3)
+  tree = {root: ("", None), a: ("Dense_1", root), b: ("Dense_0", root)}
+  layers = _layers(mpx.KeepRules(paths={"nothere": "float32", "Dense_0": "float32"}), tree)
+  for module in tree:
+    layers.policy_at(module)
+  with pytest.warns(mpx.PrecisionWarning, match=r"'nothere'.*: Dense_0, Dense_1\.$") as record:
+    layers.warn_unmatched_paths(stacklevel=1)
+  assert len(record) == 1
 
 
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
-def test_softmax_in_float32(dtype):
-  x = jnp.array([0.0, 10.0, 20.0, 30.0], dtype)
-  got = mpx.softmax(x)
-  assert got.dtype == dtype
-  want = np.exp(np.float64(x) - 30.0) / np.exp(np.float64(x) - 30.0).sum()
-  np.testing.assert_allclose(np.float64(got), want, rtol=1e-2, atol=1e-6)
-  jaxpr = jax.make_jaxpr(mpx.softmax)(x)
-  assert any(str(v.aval.dtype) == "float32" for e in jaxpr.eqns for v in e.outvars)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_attention_matches_flax_in_float32(causal):
-  q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 5, 2, 4))
-  mask = nn.make_causal_mask(jnp.ones((2, 5))).astype(bool) if causal else None
-  want = nn.dot_product_attention(q, k, v, mask=mask)
-  got = mpx.linen.dot_product_attention(q, k, v, is_causal=causal)
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
-def test_attention_half_operands_float32_softmax():
-  q = jnp.ones((1, 4, 2, 8), jnp.float16)
-  jaxpr = jax.make_jaxpr(lambda q: mpx.linen.dot_product_attention(q, q, q))(q)
-  dots = [e for e in jaxpr.eqns if e.primitive.name == "dot_general"]
-  assert dots and all(v.aval.dtype == jnp.float16 for e in dots for v in e.invars)
-  assert any(
-    e.primitive.name == "exp" and e.outvars[0].aval.dtype == jnp.float32 for e in jaxpr.eqns
-  )
-
-
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-def test_accumulating_dot_general_backward_keeps_half_operands(dtype):
-  a = jax.random.normal(jax.random.key(0), (4, 8)).astype(dtype)
-  b = jax.random.normal(jax.random.key(1), (8, 16)).astype(dtype)
-  dot = kernels.dot_general_f32_accumulation
-
-  def loss(a, b):
-    return dot(a, b, _DOT_DIMS).astype(jnp.float32).sum()
-
-  lines = _matmul_lines(jax.value_and_grad(loss, argnums=(0, 1)), a, b)
-  half = {jnp.float16: "f16", jnp.bfloat16: "bf16"}[dtype]
-  assert len(lines) == 3
-  for line in lines:
-    operands = line.split(":")[-1].split("->")[0]
-    assert operands.count(f"x{half}>") == 2 and "f32>" not in operands
-    assert line.endswith("xf32>")
-  got = jax.grad(loss, argnums=(0, 1))(a, b)
-  want = jax.grad(lambda a, b: (a @ b).astype(jnp.float32).sum(), argnums=(0, 1))(
-    a.astype(jnp.float32), b.astype(jnp.float32)
-  )
-  for g, w in zip(got, want, strict=True):
-    assert g.dtype == dtype
-    np.testing.assert_allclose(np.float32(g), w, rtol=2e-2, atol=2e-2)
-
-
-def test_accumulating_conv_backward_keeps_half_operands():
-  x = jnp.ones((2, 6, 6, 3), jnp.bfloat16)
-  k = jnp.ones((3, 3, 3, 8), jnp.bfloat16)
-  conv = kernels.conv_general_dilated_f32_accumulation
-
-  def loss(x, k):
-    y = conv(x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
-    assert y.dtype == jnp.bfloat16
-    return y.astype(jnp.float32).sum()
-
-  lines = _matmul_lines(jax.value_and_grad(loss, argnums=(0, 1)), x, k)
-  assert len(lines) == 3
-  for line in lines:
-    operands = line.split(":")[-1].split("->")[0]
-    assert operands.count("xbf16>") == 2 and line.endswith("xf32>")
+def test_join_path():
+  assert layer_policy.join_path(("blocks", 0, "mlp")) == "blocks/0/mlp"
+  assert layer_policy.join_path(()) == ""

@@ -124,6 +124,36 @@ def test_every_style_computes_in_policy(style, name):
   assert dots and all(set(d) == {str(policy.compute_dtype)} for d in dots)
 
 
+class PinnedMlp(nn.Module):
+  """Every layer pinned to one floating dtype, as a user may write it."""
+
+  pinned: Any
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.relu(nn.Dense(8, dtype=self.pinned, param_dtype=self.pinned)(x))
+    return nn.Dense(4, dtype=self.pinned)(x)
+
+
+@pytest.mark.parametrize("pinned", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
+def test_layers_pinned_to_any_floating_dtype_follow_the_policy(pinned, name):
+  policy = mpx.get_policy(name)
+  model = mpx.linen.apply_policy(PinnedMlp(pinned), policy)
+  x = jnp.ones((8, 16))
+  params = model.init(jax.random.key(0), x)["params"]
+  assert _dtypes(params) == {"float32"}
+  assert model.apply({"params": params}, x).dtype == jnp.float32
+
+  def loss(p):
+    return model.apply({"params": p}, x).sum()
+
+  report = mpx.audit(jax.value_and_grad(loss), params, policy=policy)
+  compute = np.dtype(policy.compute_dtype)
+  assert len(report.ops) == 5, str(report)  # two forward products, three backward
+  assert {(op.lhs_dtype, op.rhs_dtype) for op in report.ops} == {(compute, compute)}, str(report)
+
+
 def test_user_objects_are_not_mutated():
   hidden = nn.Dense(8)
   raw = AttributeMLP(hidden, nn.Dense(4))

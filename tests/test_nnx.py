@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -95,6 +96,38 @@ def test_train_step_with_optimizer_jit_and_split_merge(name):
   assert lines and all(ln.count(f"x{half}>") == 2 for ln in lines)
 
 
+class _PinnedMlp(nnx.Module):
+  """Every layer pinned to one floating dtype, as a user may write it."""
+
+  def __init__(self, pinned, rngs: nnx.Rngs):
+    self.up = nnx.Linear(16, 8, dtype=pinned, param_dtype=pinned, rngs=rngs)
+    self.down = nnx.Linear(8, 4, dtype=pinned, rngs=rngs)
+
+  def __call__(self, x):
+    return self.down(nnx.relu(self.up(x)))
+
+
+@pytest.mark.parametrize("pinned", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16"])
+def test_layers_pinned_to_any_floating_dtype_follow_the_policy(pinned, name):
+  policy = mpx.get_policy(name)
+  model = mpx.nnx.apply_policy(_PinnedMlp(pinned, nnx.Rngs(0)), policy)
+  assert {np.dtype(p.dtype) for p in jax.tree.leaves(nnx.state(model, nnx.Param))} == {
+    np.dtype(jnp.float32)
+  }
+  x = jnp.ones((8, 16))
+  assert model(x).dtype == jnp.float32
+  graphdef, state = nnx.split(model)
+
+  def loss(s):
+    return nnx.merge(graphdef, s)(x).sum()
+
+  report = mpx.audit(jax.value_and_grad(loss), state, policy=policy)
+  compute = np.dtype(policy.compute_dtype)
+  assert len(report.ops) == 5, str(report)  # two forward products, three backward
+  assert {(op.lhs_dtype, op.rhs_dtype) for op in report.ops} == {(compute, compute)}, str(report)
+
+
 def test_batchnorm_train_mode_stats_float32():
   class Net(nnx.Module):
     def __init__(self, rngs):
@@ -177,3 +210,46 @@ def test_nnx_optimizer_with_mixed_precision_reads_the_scale_from_its_state(spec,
   metrics = mpx.loss_scale_metrics(optimizer.opt_state)
   assert float(metrics["loss_scale"]) == float(mpx.get_loss_scale(optimizer.opt_state)) > 1.0
   assert int(metrics["skipped_steps"]) + int(metrics["growth_tracker"]) == 30
+
+
+class _DropoutNet(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(8, 32, rngs=rngs)
+    self.dropout = nnx.Dropout(0.5)
+
+  def __call__(self, x, rngs: nnx.Rngs):
+    return self.dropout(self.linear(x), rngs=rngs)
+
+
+def _dropout_masks(policy, steps):
+  """Trains ``steps`` steps with dropout; returns the Rngs count and each step's mask."""
+  model = _DropoutNet(nnx.Rngs(0))
+  if policy is not None:
+    mpx.nnx.apply_policy(model, policy)
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  rngs = nnx.Rngs(dropout=1)
+  x = jax.random.normal(jax.random.key(2), (4, 8))
+
+  def loss_fn(m, rngs):
+    y = m(x, rngs)
+    return jnp.mean(jnp.square(y.astype(jnp.float32))), y != 0
+
+  @nnx.jit
+  def step(m, opt, rngs):
+    (_, mask), grads = nnx.value_and_grad(loss_fn, has_aux=True)(m, rngs)
+    opt.update(m, grads)
+    return mask
+
+  masks = [step(model, optimizer, rngs) for _ in range(steps)]
+  return int(rngs.dropout.count[...]), masks
+
+
+@pytest.mark.parametrize("name", ["float32", "mixed_bfloat16"])
+def test_rngs_passed_to_the_model_advance_as_without_a_policy(name):
+  # The root's input cast must hand the model the caller's Rngs, not a pytree copy of it.
+  count, masks = _dropout_masks(name, steps=3)
+  reference_count, reference_masks = _dropout_masks(None, steps=3)
+  assert count == reference_count == 3
+  assert not jnp.array_equal(masks[0], masks[1]) and not jnp.array_equal(masks[1], masks[2])
+  for mask, reference in zip(masks, reference_masks, strict=True):
+    assert jnp.array_equal(mask, reference)

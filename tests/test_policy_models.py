@@ -1,4 +1,4 @@
-"""Issue 5's "Done when": plain Flax models under a policy, audited and trained.
+"""Plain Flax models under a precision policy, audited and trained end to end.
 
 For a GPT-style linen decoder (Flax attention, and hand-written attention with
 tied embeddings), a ResNet-style linen CNN with BatchNorm in train mode and the

@@ -4,13 +4,17 @@ import importlib
 import inspect
 import pathlib
 import re
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 import mpx
 
-API_RST = pathlib.Path(__file__).resolve().parent.parent / "docs" / "api.rst"
-NAMESPACES = ["mpx"] + [f"mpx.{sub}" for sub in ("linen", "nnx") if hasattr(mpx, sub)]
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+API_RST = ROOT / "docs" / "api.rst"
+NAMESPACES = ["mpx", "mpx.linen", "mpx.nnx"]
 
 
 def _documented() -> set[str]:
@@ -59,3 +63,64 @@ def test_every_public_name_has_a_docstring(namespace, name):
     if params:
       assert "Args:" in doc, f"{namespace}.{name} docstring lacks an Args: section"
     assert "Returns:" in doc, f"{namespace}.{name} docstring lacks a Returns: section"
+
+
+def test_each_object_is_exported_once():
+  # Pure-JAX names live in mpx, Flax names in mpx.linen / mpx.nnx, never in both.
+  exported: dict[int, list[str]] = {}
+  for namespace, name in _public():
+    obj = getattr(importlib.import_module(namespace), name)
+    exported.setdefault(id(obj), []).append(f"{namespace}.{name}")
+  assert [names for names in exported.values() if len(names) > 1] == []
+
+
+def _loaded_after(script: str) -> list[str]:
+  """Runs ``script`` in a fresh interpreter; returns the Flax modules it imported."""
+  script = textwrap.dedent(script) + textwrap.dedent("""
+    import sys
+    print(" ".join(sorted(m for m in sys.modules if m == "flax" or m.startswith("flax."))))
+  """)
+  result = subprocess.run(
+    [sys.executable, "-W", "error", "-c", script],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
+  assert result.returncode == 0, result.stderr
+  return result.stdout.split()
+
+
+def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax():
+  loaded = _loaded_after("""
+    import jax.numpy as jnp, optax
+    import mpx
+    params = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
+    mpx.get_policy("mixed_float16").cast_to_compute(params)
+    mpx.Policy, mpx.cast_tree(params, "bf16")
+    mpx.KeepRules().with_path("head$", "float32")
+    mpx.mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(3)})
+    assert {"linen", "nnx"} <= set(dir(mpx)) and {"linen", "nnx"} <= set(mpx.__all__)
+  """)
+  assert loaded == []
+
+
+def test_flax_submodules_load_on_first_use_and_linen_leaves_nnx_out():
+  loaded = _loaded_after("""
+    import mpx
+    import mpx.linen
+    from mpx import linen
+    assert linen is mpx.linen and callable(linen.apply_policy)
+  """)
+  assert "flax.linen" in loaded and not [m for m in loaded if m.startswith("flax.nnx")]
+  loaded = _loaded_after("""
+    import mpx
+    assert callable(mpx.nnx.apply_policy)
+  """)
+  assert "flax.nnx" in loaded
+
+
+def test_unknown_attribute_raises_attribute_error():
+  with pytest.raises(AttributeError, match="no attribute 'lenin'"):
+    mpx.lenin  # noqa: B018

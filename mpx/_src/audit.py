@@ -72,7 +72,7 @@ class MatmulOp:
   def is_float32_or_wider(self) -> bool:
     """Whether either operand is a float of 32 bits or more."""
     return any(
-      np.issubdtype(d, np.floating) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
+      dtypes_lib.is_floating(d) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
     )
 
 

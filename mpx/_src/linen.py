@@ -1,40 +1,13 @@
-"""Applying a precision policy to an unmodified Flax linen model.
+"""The linen adapter: one method interceptor writes each layer's policy into linen's per-call copies.
 
-Mechanism: one method interceptor (``flax.linen.intercept_methods``) is active
-while the wrapped model's ``init`` / ``apply`` / ``tabulate`` run. Linen builds
-a fresh bound copy of every module on each of those calls (the root is cloned,
-modules passed as attributes are cloned on adoption, ``@nn.compact`` and
-``setup`` children are constructed anew), and every method of such a copy,
-``setup`` included, passes through the interceptor before its body runs. On
-the first call of each copy the interceptor resolves the layer's policy (the
-keep rules, else its parent's, else the model's) and writes it into the
-copy's own Flax knobs, which the body then reads:
-
-* ``dtype`` <- compute dtype, ``param_dtype`` <- param dtype (only fields
-  that are ``None`` or a floating dtype; integer "dtype" fields are left);
-* ``attention_fn`` <- :func:`mpx.linen.dot_product_attention` (float32 softmax)
-  when the layer uses Flax's default and the rules ask for it;
-* with ``accumulate_in_float32=True``, ``dot_general`` /
-  ``conv_general_dilated`` <- float32-accumulating versions with a custom VJP.
-
-The user's module objects are never mutated, only linen's per-call copies.
-
-Initialisation samples half-precision params in float32 and rounds them to the
-param dtype, so layout (b) starts from the float32 run's weights (Flax's
-initializers would otherwise draw a different random stream in float16); NNX
-models get the same through ``mpx.nnx.apply_policy``'s cast.
-
-The policy overrides every layer's ``dtype``, including ``dtype=jnp.float32``
-written in a config default (Flax's ImageNet and LM1B examples); a
-deliberate per-layer choice is expressed with :class:`mpx.KeepRules`, the one
-way to pin a layer. At a policy boundary (root, or a layer whose policy
-differs from its parent's) floating inputs are cast to the layer's compute
-dtype and floating outputs to the parent's compute dtype; the root's outputs
-go to the output dtype. Integer inputs (token ids) are never touched.
-
-Limits: the wrapper is a plain object, not a Module; wrap the outermost model.
-A layer that ignores ``dtype`` (e.g. a hand-written ``x @ w``) computes in
-whatever its operands are; ``mpx.audit`` shows such matmuls.
+Linen builds a fresh bound copy of every module on each ``init`` / ``apply`` /
+``tabulate`` (the root is cloned, modules passed as attributes are cloned on
+adoption, ``@nn.compact`` and ``setup`` children are constructed anew), and
+every method of such a copy, ``setup`` included, passes through
+``nn.intercept_methods`` before its body runs. On a copy's first call the
+interceptor resolves its policy (``mpx._src.layer_policy``) and writes it into
+the copy's fields, which the body then reads; the user's module objects are
+never touched. The user-facing account is :func:`apply_policy`'s docstring.
 """
 
 from __future__ import annotations
@@ -46,10 +19,12 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from mpx._src import casting, errors
+from mpx._src import casting, errors, layer_policy
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
+
+DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 
 
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
@@ -74,16 +49,29 @@ def _round_params(result: Any, param_dtypes: dict[tuple[str, ...], np.dtype]) ->
   return jax.tree_util.tree_map_with_path(round_leaf, result)
 
 
+def _parent(module: nn.Module) -> nn.Module | None:
+  parent = module.parent
+  return parent if isinstance(parent, nn.Module) else None
+
+
 def _path(module: nn.Module) -> str:
-  return "/".join(str(p) for p in module.path)
+  return layer_policy.join_path(module.path)
+
+
+def _set_field(module: nn.Module, name: str, value: Any) -> None:
+  # Linen modules are frozen dataclasses; this copy is private to one call.
+  object.__setattr__(module, name, value)
 
 
 @dataclasses.dataclass(eq=False)
 class PolicyModel:
-  """A linen model that runs under a precision policy (see the module docstring).
+  """A linen model that runs under a precision policy; made by :func:`apply_policy`.
 
-  Made by :func:`apply_policy`; has the model's ``init``, ``init_with_output``,
-  ``apply`` and ``tabulate`` and forwards other attributes to it.
+  It has the model's ``init``, ``init_with_output``, ``apply`` and
+  ``tabulate``, each running under the policy, and forwards every other
+  attribute to the original model (so ``model.dtype`` reads the user's field,
+  which the policy does not change). It is a plain object, not a
+  ``flax.linen.Module``: use it as the outermost model, not as a submodule.
 
   Attributes:
     module: the original, unmodified model.
@@ -105,56 +93,46 @@ class PolicyModel:
       raise AttributeError(name)
     return getattr(self.module, name)
 
-  def _policy_of(self, module: Any, cache: dict[int, Any], matched: set[str]) -> Any:
-    key = id(module)
-    if key not in cache:
-      own = self.rules.own_policy(module, _path(module), matched)
-      if own is None:
-        parent = module.parent
-        own = self._policy_of(parent, cache, matched) if isinstance(parent, nn.Module) else None
-      cache[key] = own or self.policy
-    return cache[key]
-
   def _run(self, fn: Any, args: Any, kwargs: Any, *, initializing: bool = False) -> Any:
-    cache: dict[int, Any] = {}
+    layers = layer_policy.LayerPolicies(
+      self.policy,
+      self.rules,
+      norm_classes=DEFAULT_KEEP_CLASSES,
+      parent_of=_parent,
+      path_of=_path,
+    )
     param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-    configured: set[int] = set()
-    running: dict[int, int] = {}
-    matched: set[str] = set()
-    seen: set[str] = set()
+    depth: dict[int, int] = {}  # casting calls in progress, per configured layer
 
     def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
       module = context.module
       key = id(module)
-      policy = self._policy_of(module, cache, matched)
-      if key not in configured:
-        configured.add(key)
-        seen.add(_path(module))
+      if key not in depth:
+        policy = layers.policy_at(module)
         param_dtypes[tuple(module.path)] = policy.param_dtype
-        keep_lib.configure_layer(
+        layer_policy.configure_layer(
           module,
           _sampling_policy(policy) if initializing else policy,
           self.rules,
           accumulate_in_float32=self.accumulate_in_float32,
           fields={f.name for f in dataclasses.fields(module)},
           default_attention=nn.dot_product_attention,
+          set_field=_set_field,
         )
-      if context.method_name == "setup" or running.get(key):
+        depth[key] = 0
+      # Only the outermost method call of a layer casts (a method calling
+      # another of the same layer stays inside it), and setup never does.
+      boundary = layers.boundary(module)
+      if boundary is None or context.method_name == "setup" or depth[key]:
         return next_fun(*f_args, **f_kwargs)
-      parent = module.parent
-      if isinstance(parent, nn.Module):
-        outer = self._policy_of(parent, cache, matched).compute_dtype
-      else:
-        outer = policy.output_dtype
-      boundary = outer != policy.compute_dtype or not isinstance(parent, nn.Module)
-      if boundary:
-        f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), policy.compute_dtype)
-      running[key] = running.get(key, 0) + 1
+      inner, outer = boundary
+      f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
+      depth[key] += 1
       try:
         out = next_fun(*f_args, **f_kwargs)
       finally:
-        running[key] -= 1
-      return casting.cast_tree(out, outer) if boundary else out
+        depth[key] -= 1
+      return casting.cast_tree(out, outer)
 
     with nn.intercept_methods(interceptor):
       result = fn(*args, **kwargs)
@@ -162,28 +140,61 @@ class PolicyModel:
       result = _round_params(result, param_dtypes)
     if not self._checked_paths:
       self._checked_paths = True
-      keep_lib.check_paths_matched(self.rules, matched, seen)
+      layers.warn_unmatched_paths(stacklevel=3)
     return result
 
   def init(self, *args: Any, **kwargs: Any) -> Any:
-    """``module.init`` under the policy; params come out in the param dtype.
+    """``module.init`` under the policy; params come out in their layers' param dtypes.
 
     Half-precision params are sampled in float32 and then rounded, so every
     policy starts from the float32 run's initial weights (to the param
-    dtype's rounding), as ``mpx.nnx.apply_policy`` does by casting.
+    dtype's rounding): Flax's initializers would otherwise sample in the
+    param dtype, a different random stream.
+
+    Args:
+      *args: as for ``module.init``.
+      **kwargs: as for ``module.init``.
+
+    Returns:
+      The variables, as ``module.init`` returns them.
     """
     return self._run(self.module.init, args, kwargs, initializing=True)
 
   def init_with_output(self, *args: Any, **kwargs: Any) -> Any:
-    """``module.init_with_output`` under the policy (params as in :meth:`init`)."""
+    """``module.init_with_output`` under the policy (params as in :meth:`init`).
+
+    Args:
+      *args: as for ``module.init_with_output``.
+      **kwargs: as for ``module.init_with_output``.
+
+    Returns:
+      ``(output, variables)``; floating outputs in the policy's output dtype.
+    """
     return self._run(self.module.init_with_output, args, kwargs, initializing=True)
 
   def apply(self, *args: Any, **kwargs: Any) -> Any:
-    """``module.apply`` under the policy; outputs come out in the output dtype."""
+    """``module.apply`` under the policy.
+
+    Args:
+      *args: as for ``module.apply``.
+      **kwargs: as for ``module.apply``.
+
+    Returns:
+      What ``module.apply`` returns, floating outputs in the policy's output
+      dtype.
+    """
     return self._run(self.module.apply, args, kwargs)
 
   def tabulate(self, *args: Any, **kwargs: Any) -> str:
-    """``module.tabulate`` under the policy (shows the policy's dtypes)."""
+    """``module.tabulate`` under the policy (the table shows the policy's dtypes).
+
+    Args:
+      *args: as for ``module.tabulate``.
+      **kwargs: as for ``module.tabulate``.
+
+    Returns:
+      The table.
+    """
     return self._run(self.module.tabulate, args, kwargs)
 
 
@@ -197,21 +208,61 @@ def apply_policy(
   """Runs an unmodified linen model under a precision policy.
 
   Every layer computes in ``policy.compute_dtype`` and creates its params in
-  ``policy.param_dtype``, except where ``rules`` say otherwise (by default
-  normalization layers stay float32 and attention softmax runs in float32);
-  floating outputs come back in ``policy.output_dtype``. See the module
-  docstring for the mechanism.
+  ``policy.param_dtype``, except where ``rules`` give it a policy of its own
+  (by default normalisation layers stay in float32; see
+  :class:`mpx.KeepRules`); the model's floating outputs come back in
+  ``policy.output_dtype``.
+
+  How: while the returned model's ``init``, ``init_with_output``, ``apply`` or
+  ``tabulate`` runs, a method interceptor (``flax.linen.intercept_methods``)
+  sees every layer before its body runs. Linen builds a fresh copy of every
+  module on each of these calls; the layer's policy is written into that
+  copy's Flax fields, which the body then reads. Your module objects are never
+  changed. What each layer receives:
+
+  * ``dtype`` <- the compute dtype and ``param_dtype`` <- the param dtype,
+    wherever the field is ``None`` or a floating dtype. This overrides a
+    ``dtype=jnp.float32`` (or bfloat16, or float16) written in a layer or as
+    a config default, as Flax's ImageNet and LM1B examples do; pin a layer
+    deliberately with a keep rule. Integer ``dtype`` fields are left alone.
+  * ``attention_fn`` <- :func:`mpx.dot_product_attention` (a float32 softmax
+    between half-precision matmuls), for attention layers left at Flax's
+    default, when ``rules.softmax_in_float32`` is set.
+  * ``dot_general`` / ``conv_general_dilated`` <- float32-accumulating
+    versions (see :func:`mpx.accumulate_in_float32`), with
+    ``accumulate_in_float32=True``, for the layers that have these fields
+    (``Dense``, ``DenseGeneral``, ``Conv``...) and leave them at JAX's own.
+
+  Boundaries: the model's floating inputs are cast to its compute dtype and
+  its floating outputs to the output dtype. A layer whose compute dtype
+  differs from its parent's (a float32 norm in a half-precision model) casts
+  its floating inputs to its own compute dtype and its floating outputs back
+  to the parent's, so the next matmul still runs in half precision. Integer
+  inputs (token ids), PRNG keys and other non-floating values are never cast
+  (see :func:`mpx.cast_tree`).
+
+  Initialisation: half-precision params are sampled in float32 and rounded to
+  the param dtype, so every policy starts from the float32 run's initial
+  weights. Other collections (``batch_stats``) are created by the layers
+  themselves, so a norm kept in float32 keeps float32 statistics.
+
+  Limits: the returned :class:`PolicyModel` is not a ``flax.linen.Module``;
+  wrap the outermost model. A layer that ignores ``dtype`` (a hand-written
+  ``x @ w``) computes in whatever dtype its operands have; :func:`mpx.audit`
+  shows such products. Linen clones every module on every call, so a layer is
+  pinned by class or path, never by instance.
 
   Args:
     model: the linen model (as written, with or without ``dtype`` fields).
     policy: a :class:`mpx.Policy` or anything :func:`mpx.get_policy` accepts.
     rules: keep rules; ``None`` means ``mpx.KeepRules()`` (the defaults).
-      Linen takes class and path rules; pin a single layer by its path.
+      Class and path rules apply; pin a single layer by its path.
     accumulate_in_float32: make ``Dense``, ``DenseGeneral`` and ``Conv``
-      layers request float32 accumulation (see :func:`mpx.accumulate_in_float32`).
+      layers request float32 accumulation, forward and backward.
 
   Returns:
-    A :class:`PolicyModel` with ``init``, ``apply`` and ``tabulate``.
+    A :class:`PolicyModel` with ``init``, ``init_with_output``, ``apply`` and
+    ``tabulate``.
 
   Raises:
     PolicyError: ``model`` already has a different policy or rules, or the

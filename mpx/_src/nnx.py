@@ -1,35 +1,26 @@
-"""Applying a precision policy to a Flax NNX graph, in place.
+"""The NNX adapter: one walk over the graph writes each layer's policy into the layer itself.
 
-NNX layers are ordinary Python objects whose dtype knobs (``dtype``,
-``param_dtype``, ``attention_fn``, ``dot_general``, ``conv_general_dilated``)
-are read at call time, so :func:`apply_policy` walks the graph once
-(``nnx.iter_graph``) and writes each layer's resolved policy into them, exactly
-as the linen integration does on linen's per-call copies. Params (``nnx.Param``)
-are cast to their layer's param dtype; other variables (e.g. ``BatchStat``)
-are left alone, so norm statistics stay float32.
-
-Policy boundaries (the root, and every layer whose policy differs from its
-parent's) need their inputs and outputs cast. NNX has no method interceptor,
-so such a layer's class is swapped for a cached subclass of the same name
-whose ``__call__`` casts floating inputs to the layer's compute dtype and
-floating outputs to the parent's compute dtype (the root's: the output dtype).
-The subclass is part of the graph definition, so ``nnx.split`` / ``nnx.merge``,
-``nnx.jit`` and ``nnx.Optimizer`` carry it along; the casting dtypes are
-static strings on the layer. The model's other methods (e.g. ``generate``)
-are not wrapped: cast their outputs with ``policy.cast_to_output``.
+NNX layers are ordinary Python objects whose dtype knobs are read at call
+time, so :func:`apply_policy` resolves every module's policy once
+(``mpx._src.layer_policy``) and writes it in place. NNX has no method
+interceptor, so a layer that casts at its boundary gets its class swapped for a
+cached same-named subclass whose ``__call__`` casts; the subclass is part of
+the graph definition and survives ``nnx.split`` / ``nnx.merge``. The
+user-facing account is :func:`apply_policy`'s docstring.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 from flax import nnx
 
-from mpx._src import casting, errors
+from mpx._src import casting, errors, layer_policy
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
+
+DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
 
 _BOUNDARY_CLASSES: dict[type, type] = {}
 
@@ -63,10 +54,6 @@ def _boundary_class(cls: type) -> type:
   return _BOUNDARY_CLASSES[cls]
 
 
-def _key(path: tuple[Any, ...]) -> str:
-  return "/".join(str(p) for p in path)
-
-
 def apply_policy(
   model: nnx.Module,
   policy: Any,
@@ -77,10 +64,49 @@ def apply_policy(
   """Sets every layer of an NNX model to a precision policy, in place.
 
   Every layer computes in ``policy.compute_dtype`` and keeps its params in
-  ``policy.param_dtype`` (existing ``nnx.Param`` values are cast), except
-  where ``rules`` say otherwise (by default normalization layers stay float32
-  and attention softmax runs in float32); calling the model returns floating
-  outputs in ``policy.output_dtype``. Integer inputs stay integer.
+  ``policy.param_dtype``, except where ``rules`` give it a policy of its own
+  (by default normalisation layers stay in float32; see
+  :class:`mpx.KeepRules`); calling the model returns floating outputs in
+  ``policy.output_dtype``.
+
+  How: NNX layers read their dtype knobs at call time, so the graph is walked
+  once (``nnx.iter_graph``) and each module's policy is written into its own
+  attributes:
+
+  * ``dtype`` <- the compute dtype and ``param_dtype`` <- the param dtype,
+    wherever the attribute is ``None`` or a floating dtype. This overrides a
+    ``dtype=jnp.float32`` (or bfloat16, or float16) given to a layer; pin a
+    layer deliberately with a keep rule. Integer ``dtype`` attributes are left
+    alone.
+  * ``attention_fn`` <- :func:`mpx.dot_product_attention` (a float32 softmax
+    between half-precision matmuls), for attention layers left at Flax's
+    default, when ``rules.softmax_in_float32`` is set.
+  * ``dot_general`` / ``conv_general_dilated`` <- float32-accumulating
+    versions (see :func:`mpx.accumulate_in_float32`), with
+    ``accumulate_in_float32=True``, for the layers that have these attributes
+    (``Linear``, ``LinearGeneral``, ``Conv``...) and leave them at JAX's own.
+  * Floating ``nnx.Param`` values are cast to their layer's param dtype. Other
+    variables (``BatchStat``, caches, RNG state) are left alone, so the
+    statistics of a norm kept in float32 stay float32.
+
+  Boundaries: the model's floating inputs are cast to its compute dtype and
+  its floating outputs to the output dtype. A layer whose compute dtype
+  differs from its parent's (a float32 norm in a half-precision model) casts
+  its floating inputs to its own compute dtype and its floating outputs back
+  to the parent's, so the next matmul still runs in half precision. NNX has no
+  method interceptor, so such a layer's class is swapped for a same-named
+  subclass whose ``__call__`` casts; it is part of the graph definition, so
+  ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and ``nnx.Optimizer`` carry it
+  along. Integer inputs (token ids), PRNG keys and NNX objects passed to a call
+  (``nnx.Rngs``, modules, variables) are never cast or copied (see
+  :func:`mpx.cast_tree`), so RNG counts advance as without a policy.
+
+  Limits: only ``__call__`` casts. The model's other methods (``generate``,
+  say) return whatever their layers compute; cast their results with
+  ``policy.cast_to_output``. A layer that ignores ``dtype`` (a hand-written
+  ``x @ w``) computes in whatever dtype its operands have; :func:`mpx.audit`
+  shows such products. A policy is applied once: half-precision params cannot
+  be restored to float32 exactly.
 
   Args:
     model: the NNX model (as written, with or without dtype arguments).
@@ -89,7 +115,7 @@ def apply_policy(
       (``/``-joined attribute path, e.g. ``blocks/0/mlp``) and instance rules
       all apply; a rule covers the matched layer's subtree.
     accumulate_in_float32: make ``Linear``, ``LinearGeneral`` and ``Conv``
-      layers request float32 accumulation (see :func:`mpx.accumulate_in_float32`).
+      layers request float32 accumulation, forward and backward.
 
   Returns:
     ``model`` itself, for chaining.
@@ -116,50 +142,47 @@ def apply_policy(
     )
 
   nodes = list(nnx.iter_graph(model))
-  modules = {_key(p): m for p, m in nodes if isinstance(m, nnx.Module)}
-  matched: set[str] = set()
-  resolved: dict[str, policy_lib.Policy] = {}
+  modules = {tuple(path): node for path, node in nodes if isinstance(node, nnx.Module)}
+  paths = {id(module): path for path, module in modules.items()}
 
-  def policy_at(path: str) -> policy_lib.Policy:
-    if path not in resolved:
-      own = rules.own_policy(modules[path], path, matched)
-      if own is None and path:
-        own = policy_at(_parent(path, modules))
-      resolved[path] = own or policy
-    return resolved[path]
+  def owner(path: tuple[Any, ...]) -> nnx.Module:
+    """The closest module strictly enclosing ``path`` (the root encloses everything)."""
+    return next(modules[path[:n]] for n in range(len(path) - 1, -1, -1) if path[:n] in modules)
 
-  for path, module in modules.items():
-    own = policy_at(path)
-    keep_lib.configure_layer(
+  def parent_of(module: nnx.Module) -> nnx.Module | None:
+    path = paths[id(module)]
+    return owner(path) if path else None
+
+  layers = layer_policy.LayerPolicies(
+    policy,
+    rules,
+    norm_classes=DEFAULT_KEEP_CLASSES,
+    parent_of=parent_of,
+    path_of=lambda module: layer_policy.join_path(paths[id(module)]),
+  )
+  for module in modules.values():
+    layer_policy.configure_layer(
       module,
-      own,
+      layers.policy_at(module),
       rules,
       accumulate_in_float32=accumulate_in_float32,
       fields=set(vars(module)),
       default_attention=nnx.dot_product_attention,
+      set_field=setattr,
     )
-    outer = policy_at(_parent(path, modules)).compute_dtype if path else policy.output_dtype
-    if not path or outer != own.compute_dtype:
+    boundary = layers.boundary(module)
+    if boundary is not None:
       object.__setattr__(module, "__class__", _boundary_class(type(module)))
-      module.mpx_boundary = np.dtype(own.compute_dtype).name, np.dtype(outer).name  # pyright: ignore[reportAttributeAccessIssue]
+      # Static strings: the boundary is part of the graph definition.
+      module.mpx_boundary = tuple(dtype.name for dtype in boundary)  # pyright: ignore[reportAttributeAccessIssue]
     elif getattr(module, "_mpx_casts_at_boundary", False):
       module.mpx_boundary = None  # pyright: ignore[reportAttributeAccessIssue]
 
   for path, node in nodes:
     if isinstance(node, nnx.Param) and tree_lib.is_floating_array(node.get_value()):
-      owner = _parent(_key(path), modules)
-      node.set_value(casting.cast_tree(node.get_value(), policy_at(owner).param_dtype))
+      param_dtype = layers.policy_at(owner(tuple(path))).param_dtype
+      node.set_value(casting.cast_tree(node.get_value(), param_dtype))
 
   model.mpx_policy = settings  # pyright: ignore[reportAttributeAccessIssue]
-  keep_lib.check_paths_matched(rules, matched, modules)
+  layers.warn_unmatched_paths(stacklevel=2)
   return model
-
-
-def _parent(path: str, modules: dict[str, Any]) -> str:
-  """Returns the path of the closest enclosing module of ``path``."""
-  parts = path.split("/")
-  for n in range(len(parts) - 1, 0, -1):
-    candidate = "/".join(parts[:n])
-    if candidate in modules:
-      return candidate
-  return ""

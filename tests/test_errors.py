@@ -176,7 +176,7 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], tuple[str, ...]]
   ),
   (
     "unknown_name_in_with",
-    lambda: mpx.get_policy("float32").with_compute_dtype("fp8"),
+    lambda: mpx.get_policy("float32").with_output_dtype("fp8"),
     errors.PolicyError,
     ("Unknown dtype name 'fp8'",),
   ),

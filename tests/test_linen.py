@@ -285,7 +285,7 @@ def test_half_params_start_at_the_rounding_of_the_float32_init(half):
   # samples in float32 and rounds, as mpx.nnx.apply_policy does by casting.
   x = jnp.ones((2, 16))
   f32 = mpx.linen.apply_policy(_NormedMlp(), "float32").init(jax.random.key(0), x)
-  policy = mpx.get_policy("float32").with_param_dtype(half).with_compute_dtype(half)
+  policy = mpx.Policy(half, half, jnp.float32)
   variables = mpx.linen.apply_policy(_NormedMlp(), policy).init(jax.random.key(0), x)
   params, reference = variables["params"], f32["params"]
   for name in ("Dense_0", "Dense_1"):

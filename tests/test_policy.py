@@ -268,17 +268,17 @@ def test_policy_is_never_traced_or_flattened():
 
 
 @pytest.mark.parametrize(
-  ("method", "field"),
+  ("replace", "field"),
   [
-    ("with_param_dtype", "param_dtype"),
-    ("with_compute_dtype", "compute_dtype"),
-    ("with_output_dtype", "output_dtype"),
+    (lambda p, new: dataclasses.replace(p, param_dtype=new), "param_dtype"),
+    (lambda p, new: dataclasses.replace(p, compute_dtype=new), "compute_dtype"),
+    (lambda p, new: p.with_output_dtype(new), "output_dtype"),
   ],
 )
 @pytest.mark.parametrize("new", ["bf16", jnp.bfloat16, np.dtype("bfloat16")])
-def test_with_dtype_returns_a_copy(method, field, new):
+def test_replacing_a_dtype_returns_a_copy(replace, field, new):
   policy = mpx.get_policy("float32")
-  copy = getattr(policy, method)(new)
+  copy = replace(policy, new)
   assert copy is not policy
   assert getattr(copy, field) == BF16
   assert policy == mpx.get_policy("float32"), "the original must not change"

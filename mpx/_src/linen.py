@@ -30,7 +30,11 @@ DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
   # Flax's initializers sample in the param dtype: float16 samples are a different
   # random stream from float32 ones, not their rounding.
-  return policy.with_param_dtype("float32") if dtypes_lib.is_half(policy.param_dtype) else policy
+  return (
+    dataclasses.replace(policy, param_dtype="float32")
+    if dtypes_lib.is_half(policy.param_dtype)
+    else policy
+  )
 
 
 def _round_params(result: Any, param_dtypes: dict[tuple[str, ...], np.dtype]) -> Any:

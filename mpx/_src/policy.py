@@ -105,30 +105,11 @@ class Policy:
     """
     return casting.cast_tree(tree, self.output_dtype)
 
-  def with_param_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
-    """Returns a copy of this policy with ``param_dtype`` replaced.
-
-    Args:
-      dtype: the new param dtype (a dtype or a name).
-
-    Returns:
-      A new :class:`Policy`.
-    """
-    return dataclasses.replace(self, param_dtype=dtype)
-
-  def with_compute_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
-    """Returns a copy of this policy with ``compute_dtype`` replaced.
-
-    Args:
-      dtype: the new compute dtype (a dtype or a name).
-
-    Returns:
-      A new :class:`Policy`.
-    """
-    return dataclasses.replace(self, compute_dtype=dtype)
-
   def with_output_dtype(self, dtype: dtypes_lib.DTypeLike) -> Policy:
-    """Returns a copy of this policy with ``output_dtype`` replaced.
+    """Returns a copy of this policy with ``output_dtype`` replaced (as jmp's).
+
+    Any field can be replaced with ``dataclasses.replace(policy,
+    compute_dtype="bf16")``; the names are parsed as in the constructor.
 
     Args:
       dtype: the new output dtype (a dtype or a name).

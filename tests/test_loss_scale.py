@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import mpx
-from mpx._src import loss_scale as rules
+from mpx._src import scale_rules as rules
 
 TINY = rules.F32_TINY
 CEILING = rules.MAX_SCALE
@@ -55,7 +55,7 @@ class _Torch(_Reference):
 
 
 class _Issue(_Reference):
-  """The rule as issue 3 states it (hysteresis refilled on every finite step)."""
+  """The default rule (hysteresis refilled on every finite step), written with `==`."""
 
   def __init__(self, r):
     super().__init__(r)

@@ -371,6 +371,7 @@ def test_dynamic_divergence_only_at_the_floor():
     "loss_scale",
     "skipped_steps",
     "consecutive_skips",
+    "last_step_skipped",
     "growth_tracker",
     "diverged",
   }

@@ -140,3 +140,12 @@ def test_find_nodes_finds_nested_nodes_with_their_paths():
   assert tree_lib.find_nodes({"a": jnp.ones(2)}, _Wrapper) == []
   assert [p for p, _ in tree_lib.find_nodes(inner, _Wrapper)] == ["<root>"]
 
+
+def test_check_same_shapes_reads_shapes_only():
+  params = {"w": jnp.ones((2, 3)), "frozen": None, "lr": 0.1}
+  tree_lib.check_same_shapes(
+    {"w": jnp.zeros((2, 3), jnp.float16), "frozen": None, "lr": 0.5}, params, names=("a", "b")
+  )
+  abstract = jax.eval_shape(lambda: {"w": jnp.zeros((3, 2)), "frozen": None, "lr": 0.0})
+  with pytest.raises(errors.TreeStructureError, match=r"a leaf 'w' has shape \(3, 2\), but the b"):
+    tree_lib.check_same_shapes(abstract, params, names=("a", "b"))

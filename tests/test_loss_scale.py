@@ -54,7 +54,7 @@ class _Torch(_Reference):
       self.tracker = successful
 
 
-class _Issue(_Reference):
+class _Default(_Reference):
   """The default rule (hysteresis refilled on every finite step), written with `==`."""
 
   def __init__(self, r):
@@ -169,7 +169,7 @@ class _Paddle(_Reference):
 
 
 REFERENCES = {
-  "default": _Issue,
+  "default": _Default,
   "torch": _Torch,
   "keras": _Keras,
   "jmp": _Jmp,

@@ -226,8 +226,8 @@ def value_and_grad(
   Flax NNX objects (modules, ``nnx.Rngs``...) among the arguments are
   differentiated with ``flax.nnx.grad``, like ``nnx.value_and_grad`` does:
   the gradients are an ``nnx.State`` of the ``nnx.Param`` variables, and every
-  state update made by ``fun`` (BatchNorm statistics, RNG counts,
-  ``nnx.Intermediate``) lands in the caller's objects.
+  variable ``fun`` writes (BatchNorm statistics, ``nnx.Rngs`` counts, counters)
+  is updated in the caller's objects.
 
   Args:
     fun: returns a floating scalar loss, or ``(loss, aux)`` with ``has_aux``.

@@ -2,7 +2,7 @@
 
 The default config (4 layers, d_model 256, vocabulary 512, context 128) has
 3,454,464 float32 parameters in 69 leaves: the model the loss-scaling cost
-figures of issue 3 item 9 are quoted on. ``GPTConfig.tiny()`` gives the same
+figures of docs/benchmarks.md are quoted on. ``GPTConfig.tiny()`` gives the same
 69-leaf structure at a size the smoke test compiles in seconds.
 """
 

@@ -1,4 +1,4 @@
-"""Overhead of dynamic loss scaling on a GPT train step (issue 3, item 9).
+"""Overhead of dynamic loss scaling on a GPT train step.
 
 Compiles the same float16-compute GPT train step (forward, backward, adamw,
 params and optimizer state donated) without loss scaling and with each

@@ -23,12 +23,12 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.finite_check import all_finite as all_finite
 from mpx._src.keep import KeepRules as KeepRules
 from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
 from mpx._src.kernels import dot_product_attention as dot_product_attention
 from mpx._src.kernels import softmax as softmax
 from mpx._src.loss_scaling import LossScaleState as LossScaleState
-from mpx._src.loss_scaling import all_finite as all_finite
 from mpx._src.loss_scaling import dynamic_loss_scale as dynamic_loss_scale
 from mpx._src.loss_scaling import no_loss_scale as no_loss_scale
 from mpx._src.loss_scaling import static_loss_scale as static_loss_scale
@@ -42,6 +42,8 @@ from mpx._src.policy import get_policy as get_policy
 from mpx._src.scaled_loss import check_loss_scale as check_loss_scale
 from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
 from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
+from mpx._src.scaled_loss import scale as scale
+from mpx._src.scaled_loss import unscale as unscale
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
 
 if _typing.TYPE_CHECKING:
@@ -83,8 +85,10 @@ __all__ = (
   "mixed_precision",
   "nnx",
   "no_loss_scale",
+  "scale",
   "softmax",
   "static_loss_scale",
+  "unscale",
   "value_and_grad",
   "with_master_params",
 )

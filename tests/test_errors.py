@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import mpx
@@ -45,6 +46,10 @@ def _check_grads(grads):
 
 def _check_structure(grads, params):
   return tree_lib.check_same_structure(grads, params, names=("gradients", "params"))
+
+
+def _check_shapes(grads, params):
+  return tree_lib.check_same_shapes(grads, params, names=("gradients", "params"))
 
 
 # (id, thunk, exact exception type, message fragments that must all appear).
@@ -261,6 +266,32 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], tuple[str, ...]]
     lambda: _check_structure([jnp.ones(1)], (jnp.ones(1),)),
     errors.TreeStructureError,
     ("the leaf paths agree and the containers differ", "(1 against 1 leaves)"),
+  ),
+  (
+    "shape_mismatch",
+    lambda: _check_shapes(_grads_with(jnp.ones(5)), _params()),
+    errors.TreeStructureError,
+    (
+      "gradients leaf 'params/Dense_0/kernel' has shape (5,), but the params leaf "
+      "'params/Dense_0/kernel' has shape (2, 2)",
+      "Pass the params the gradients were computed from",
+    ),
+  ),
+  (
+    "shape_check_reports_structure_first",
+    lambda: _check_shapes(_without_bias(_params()), _params()),
+    errors.TreeStructureError,
+    ("'params/Dense_0/bias' is in the params but not in the gradients",),
+  ),
+  (
+    "traced_scale",
+    lambda: jax.jit(lambda s: mpx.static_loss_scale(optax.sgd(1.0), s))(jnp.float32(8.0)),
+    errors.ConfigError,
+    (
+      "scale must be known when the optimizer is built, but it is a traced value",
+      "Pass a Python number such as scale=2.0**15",
+      "list 'scale' in static_args",
+    ),
   ),
   (
     "none_subtree_against_missing",

@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import mpx
-from mpx._src import loss_scale as rules
+from mpx._src import scale_rules as rules
 
 TINY = rules.F32_TINY
 CEILING = rules.MAX_SCALE
@@ -54,8 +54,8 @@ class _Torch(_Reference):
       self.tracker = successful
 
 
-class _Issue(_Reference):
-  """The rule as issue 3 states it (hysteresis refilled on every finite step)."""
+class _Default(_Reference):
+  """The default rule (hysteresis refilled on every finite step), written with `==`."""
 
   def __init__(self, r):
     super().__init__(r)
@@ -169,7 +169,7 @@ class _Paddle(_Reference):
 
 
 REFERENCES = {
-  "default": _Issue,
+  "default": _Default,
   "torch": _Torch,
   "keras": _Keras,
   "jmp": _Jmp,

@@ -371,6 +371,7 @@ def test_dynamic_divergence_only_at_the_floor():
     "loss_scale",
     "skipped_steps",
     "consecutive_skips",
+    "last_step_skipped",
     "growth_tracker",
     "diverged",
   }
@@ -495,3 +496,279 @@ def test_a_finite_gradient_that_overflows_when_unscaled_is_skipped():
   fine = {"w": jnp.array([1.0, 2.0, 3.0, 3.0e30], F32)}
   _, state = tx.update(fine, tx.init(params), params)
   assert int(state.skipped_steps) == 0
+
+
+# ---------------------------------------------------------------- building under a trace
+
+_FACTORIES = {
+  "dynamic": lambda: mpx.dynamic_loss_scale(optax.sgd(0.1)),
+  "dynamic_flax": lambda: mpx.dynamic_loss_scale(
+    optax.sgd(0.1), preset="flax", growth_interval=4, hysteresis=2
+  ),
+  "static": lambda: mpx.static_loss_scale(optax.sgd(0.1), 2.0**4),
+  "none": lambda: mpx.no_loss_scale(optax.sgd(0.1)),
+  "mixed_float16": lambda: mpx.mixed_precision(optax.sgd(0.1), "mixed_float16"),
+  "float16_masters": lambda: mpx.mixed_precision(optax.sgd(0.1), "float16"),
+  "mixed_float16_torch": lambda: mpx.mixed_precision(
+    optax.sgd(0.1), "mixed_float16", loss_scale="torch"
+  ),
+}
+
+
+@pytest.mark.parametrize("make", list(_FACTORIES.values()), ids=list(_FACTORIES))
+def test_factories_build_and_init_under_jit_and_eval_shape(make):
+  params = {"w": jnp.ones(2)}
+  eager = make().init(params)
+  shapes = jax.eval_shape(lambda p: make().init(p), params)
+  assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(
+    lambda x: (x.shape, x.dtype), eager
+  )
+  _bits_equal(jax.jit(lambda p: make().init(p))(params), eager)
+
+
+def test_mixed_precision_inside_inject_hyperparams_under_jit():
+  tx = optax.inject_hyperparams(
+    lambda learning_rate: mpx.mixed_precision(
+      standard_promotion(optax.adam(learning_rate)), "mixed_float16"
+    )
+  )(learning_rate=1e-3)
+  params = {"w": jnp.ones(2)}
+  state = jax.jit(tx.init)(params)
+  scale = mpx.get_loss_scale(state)
+  grads = {"w": jnp.array([1.0, -1.0]) * scale}
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  np.testing.assert_allclose(updates["w"], [-1e-3, 1e-3], rtol=1e-4)
+  assert int(mpx.loss_scale_metrics(state)["growth_tracker"]) == 1
+  updates, state = jax.jit(tx.update)({"w": jnp.array([jnp.inf, 1.0])}, state, params)
+  _bits_equal(updates, {"w": jnp.array([-0.0, -0.0])})
+  assert float(mpx.get_loss_scale(state)) == float(scale) / 2
+
+
+def test_dynamic_loss_scale_inside_inject_hyperparams_reads_the_injected_value():
+  tx = optax.inject_hyperparams(
+    lambda learning_rate: mpx.dynamic_loss_scale(optax.sgd(learning_rate), initial_scale=4.0)
+  )(learning_rate=0.5)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  state.hyperparams["learning_rate"] = jnp.asarray(0.25)
+  updates, state = jax.jit(tx.update)({"w": jnp.array([4.0, 8.0])}, state, params)
+  np.testing.assert_array_equal(updates["w"], [-0.25, -0.5])
+  assert float(mpx.get_loss_scale(state)) == 4.0
+
+
+# ---------------------------------------------------------------- hyperparameters as arrays
+
+
+@pytest.mark.parametrize(
+  "to_array",
+  [jnp.float32, np.float32, np.asarray, jnp.asarray],
+  ids=["jnp.float32", "np.float32", "np.asarray", "jnp.asarray"],
+)
+def test_concrete_0d_arrays_are_accepted_as_scales(to_array):
+  params = {"w": jnp.ones(2)}
+  tx = mpx.dynamic_loss_scale(
+    optax.sgd(1.0),
+    initial_scale=to_array(2.0**15),
+    min_scale=to_array(2.0),
+    max_scale=to_array(2.0**20),
+    growth_factor=to_array(4.0),
+    backoff_factor=to_array(0.25),
+    growth_interval=jnp.int32(3),
+    hysteresis=np.int64(2),
+  )
+  ref = mpx.dynamic_loss_scale(
+    optax.sgd(1.0),
+    initial_scale=2.0**15,
+    min_scale=2.0,
+    max_scale=2.0**20,
+    growth_factor=4.0,
+    backoff_factor=0.25,
+    growth_interval=3,
+    hysteresis=2,
+  )
+  state, ref_state = tx.init(params), ref.init(params)
+  for g in [1.0, jnp.inf, jnp.inf, 1.0, 1.0, 1.0]:
+    grads = {"w": jnp.full(2, g, jnp.float32)}
+    _, state = tx.update(grads, state, params)
+    _, ref_state = ref.update(grads, ref_state, params)
+    _bits_equal(state, ref_state)
+  static = mpx.static_loss_scale(optax.sgd(1.0), to_array(8.0))
+  assert float(mpx.get_loss_scale(static.init(params))) == 8.0
+  mixed = mpx.mixed_precision(optax.sgd(1.0), "float16", loss_scale=to_array(1024.0))
+  assert float(mpx.get_loss_scale(mixed.init({"w": jnp.ones(2, F16)}))) == 1024.0
+
+
+@pytest.mark.parametrize(
+  ("build", "name"),
+  [
+    (lambda x: mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=x), "initial_scale"),
+    (lambda x: mpx.dynamic_loss_scale(optax.sgd(1.0), max_scale=x * 2**20), "max_scale"),
+    (lambda x: mpx.dynamic_loss_scale(optax.sgd(1.0), growth_factor=x), "growth_factor"),
+    (
+      lambda x: mpx.dynamic_loss_scale(optax.sgd(1.0), growth_interval=x.astype(jnp.int32)),
+      "growth_interval",
+    ),
+    (lambda x: mpx.static_loss_scale(optax.sgd(1.0), x), "scale"),
+    (lambda x: mpx.mixed_precision(optax.sgd(1.0), "float16", loss_scale=x), "loss_scale"),
+  ],
+  ids=["initial_scale", "max_scale", "growth_factor", "growth_interval", "static", "mixed"],
+)
+def test_traced_scales_are_rejected_with_the_fix(build, name):
+  with pytest.raises(mpx.ConfigError) as info:
+    jax.jit(lambda x: build(x).init({"w": jnp.ones(2)}))(jnp.float32(4.0))
+  message = str(info.value)
+  assert message.startswith(f"{name} must be known when the optimizer is built, but it is a traced")
+  assert f"Pass a Python number such as {name}=" in message
+  assert f"under optax.inject_hyperparams, list {name!r} in static_args" in message
+
+
+@pytest.mark.parametrize(
+  ("value", "fragment"),
+  [
+    (jnp.float32(0.0), "initial_scale must be a float32 number in [2**-126, 2**126]"),
+    (np.float32(np.inf), "initial_scale must be a float32 number in [2**-126, 2**126]"),
+    (jnp.ones(2), "initial_scale must be a positive real number, got Array([1., 1.]"),
+    (np.array(True), "initial_scale must be a positive real number, got True of type bool"),
+  ],
+  ids=["zero", "inf", "vector", "bool"],
+)
+def test_bad_array_scales_keep_their_messages(value, fragment):
+  with pytest.raises(mpx.ConfigError) as info:
+    mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=value)
+  assert fragment in str(info.value)
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def test_mismatched_gradient_shapes_name_the_path_and_both_shapes():
+  tx = mpx.dynamic_loss_scale(standard_promotion(optax.adam(0.1)))
+  params = _params()
+  grads = _grads(1.0)
+  grads["dense"]["bias"] = jnp.ones(5)
+  message = (
+    "gradients leaf 'dense/bias' has shape (5,), but the params leaf 'dense/bias' has shape (2,)"
+  )
+  with pytest.raises(mpx.TreeStructureError) as info:
+    jax.jit(tx.update)(grads, tx.init(params), params)
+  assert message in str(info.value)
+  assert "Pass the params the gradients were computed from" in str(info.value)
+  with pytest.raises(mpx.TreeStructureError, match="has shape"):
+    mpx.no_loss_scale(optax.sgd(1.0)).update(grads, tx.init(params), params)
+
+
+# ---------------------------------------------------------------- scale / unscale
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+def test_unscale_is_what_the_optimizer_feeds_its_inner_transformation():
+  seen = []
+
+  def record(updates, params):
+    del params
+    seen.append(updates)
+    return updates
+
+  tx = mpx.static_loss_scale(optax.stateless(record), 2.0**-3)
+  params = {"a": jnp.zeros(3, F16), "b": jnp.zeros(2, BF16), "c": jnp.zeros(2, F32)}
+  state = tx.init(params)
+  grads = {
+    "a": jnp.array([1.0, 3.0e-5, -7.0], F16),
+    "b": jnp.array([2.0**-120, 5.0], BF16),
+    "c": jnp.array([3.0e30, -1.0], F32),
+  }
+  tx.update(grads, state, params)
+  for got in (mpx.unscale(grads, state), mpx.unscale(grads, jnp.float32(2.0**-3))):
+    _bits_equal(got, seen[0])
+  assert jax.tree.map(lambda x: x.dtype, seen[0]) == {"a": F32, "b": F32, "c": F32}
+
+
+def test_scale_and_unscale_dtypes_and_non_floating_leaves():
+  tree = {
+    "f16": jnp.array([3.0], F16),
+    "bf16": jnp.array([3.0], BF16),
+    "i": jnp.arange(2),
+    "key": jax.random.key(0),
+    "none": None,
+  }
+  scaled = mpx.scale(tree, jnp.float32(2.0**16))  # 2**16 is inf in float16
+  assert scaled["f16"].dtype == F32 and float(scaled["f16"][0]) == 3.0 * 2**16
+  assert scaled["bf16"].dtype == F32
+  assert scaled["i"] is tree["i"] and scaled["key"] is tree["key"] and scaled["none"] is None
+  back = mpx.unscale(scaled, jnp.float32(2.0**16))
+  assert float(back["f16"][0]) == 3.0 and back["f16"].dtype == F32
+  with pytest.raises(mpx.StateError, match="floating scalar"):
+    mpx.unscale(tree, jnp.ones(2))
+
+
+def test_float64_stays_float64():
+  with jax.enable_x64(True):
+    tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**3)
+    params = {"w": jnp.zeros(2, jnp.float64)}
+    state = tx.init(params)
+    grads = {"w": jnp.array([8.0, 1e-300], jnp.float64)}
+    assert mpx.scale(grads, state)["w"].dtype == jnp.float64
+    unscaled = mpx.unscale(grads, state)["w"]
+    assert unscaled.dtype == jnp.float64 and float(unscaled[1]) == 1e-300 / 8
+    updates, _ = tx.update(grads, state, params)
+    np.testing.assert_array_equal(updates["w"], -unscaled)
+
+
+def test_two_losses_and_a_gradient_penalty_compose_with_value_and_grad():
+  # torch's recipes (`scaler.scale(loss)` per loss, unscaled inner gradients for a
+  # penalty), written with mpx.scale / mpx.unscale beside mpx.value_and_grad.
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**12)
+  w = {"w": jnp.array([0.5, -2.0])}
+  x = jnp.array([1.0, 3.0])
+  state = tx.init(w)
+
+  def task(p, x):
+    return jnp.sum((p["w"] * x) ** 2)
+
+  def penalised(p, x):
+    grad_x = mpx.unscale(jax.grad(lambda x: mpx.scale(task(p, x), state))(x), state)
+    return task(p, x) + jnp.sum(grad_x**2)
+
+  def second(p):
+    return jnp.sum(p["w"] ** 2)
+
+  loss, g1 = mpx.value_and_grad(penalised, state)(w, x)
+  g2 = jax.grad(lambda p: mpx.scale(second(p), state))(w)
+  updates, _ = tx.update(jax.tree.map(jnp.add, g1, g2), state, w)
+  want_loss, want = jax.value_and_grad(
+    lambda p: task(p, x) + jnp.sum(jax.grad(task, argnums=1)(p, x) ** 2) + second(p)
+  )(w)
+  np.testing.assert_allclose(loss + second(w), want_loss, rtol=1e-6)
+  np.testing.assert_allclose(updates["w"], -want["w"], rtol=1e-6)
+
+
+def test_scale_keeps_a_float16_inner_gradient_from_underflowing():
+  w, x = jnp.array(1e-4, F16), jnp.ones(2, F16)
+
+  def inner(x, loss_scale):
+    return mpx.scale(jnp.sum(w * x) * jnp.float16(1e-4), loss_scale)
+
+  scaled = mpx.unscale(jax.grad(inner)(x, jnp.float32(2.0**15)), jnp.float32(2.0**15))
+  plain = jax.grad(inner)(x, jnp.float32(1.0))
+  assert bool(jnp.all(plain == 0))  # 1e-8 flushes to zero in float16
+  np.testing.assert_allclose(scaled, [1e-8, 1e-8], rtol=2e-3)
+
+
+# ---------------------------------------------------------------- last step skipped
+
+
+def test_last_step_skipped_is_read_from_the_state_and_the_metrics():
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
+  params = {"w": jnp.ones(2)}
+  state = tx.init(params)
+  assert not bool(state.last_step_skipped)
+  step = jax.jit(tx.update)
+  seen = []
+  for g in [1.0, jnp.inf, jnp.nan, 1.0]:
+    _, state = step({"w": jnp.full(2, g)}, state, params)
+    metrics = jax.jit(mpx.loss_scale_metrics)((optax.EmptyState(), state))
+    assert metrics["last_step_skipped"].dtype == jnp.bool_
+    assert bool(metrics["last_step_skipped"]) == bool(state.last_step_skipped)
+    seen.append(bool(state.last_step_skipped))
+  assert seen == [False, True, True, False]
+  assert "last_step_skipped" not in mpx.LossScaleState._fields  # derived, not stored

@@ -93,15 +93,6 @@ def test_check_floating_leaves_accepts_floating_trees():
   tree_lib.check_floating_leaves({}, what="gradients")
 
 
-def test_check_floating_leaves_allow_predicate():
-  tree = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
-  tree_lib.check_floating_leaves(
-    tree, what="state", allow=lambda x: tree_lib.is_array(x) and x.dtype == jnp.int32
-  )
-  with pytest.raises(errors.LeafTypeError, match="state leaf 'step' has dtype int32"):
-    tree_lib.check_floating_leaves(tree, what="state", allow=lambda x: False)
-
-
 def test_check_floating_leaves_names_the_first_bad_leaf_in_tree_order():
   tree = {"b": {"x": "s"}, "a": [jnp.ones(1), jnp.ones(1, jnp.int8)]}
   with pytest.raises(errors.LeafTypeError, match="grads leaf 'a/1' has dtype int8"):
@@ -148,3 +139,13 @@ def test_find_nodes_finds_nested_nodes_with_their_paths():
   assert found[0][1] is outer and found[1][1] is inner
   assert tree_lib.find_nodes({"a": jnp.ones(2)}, _Wrapper) == []
   assert [p for p, _ in tree_lib.find_nodes(inner, _Wrapper)] == ["<root>"]
+
+
+def test_check_same_shapes_reads_shapes_only():
+  params = {"w": jnp.ones((2, 3)), "frozen": None, "lr": 0.1}
+  tree_lib.check_same_shapes(
+    {"w": jnp.zeros((2, 3), jnp.float16), "frozen": None, "lr": 0.5}, params, names=("a", "b")
+  )
+  abstract = jax.eval_shape(lambda: {"w": jnp.zeros((3, 2)), "frozen": None, "lr": 0.0})
+  with pytest.raises(errors.TreeStructureError, match=r"a leaf 'w' has shape \(3, 2\), but the b"):
+    tree_lib.check_same_shapes(abstract, params, names=("a", "b"))

@@ -1,66 +1,23 @@
 """Loss scaling as optax gradient transformations (paper section 3.2).
 
-``dynamic_loss_scale``, ``static_loss_scale`` and ``no_loss_scale`` wrap an
-inner optax transformation. Their ``update`` takes the gradients of the
-*scaled* loss and
-
-1. unscales them: each leaf is converted to float32 (float64 stays float64) and
-   multiplied by ``1 / scale``. For the power-of-two scales of every preset this
-   is exact (whenever the product is a normal float32), because scales are kept
-   in ``[2**-126, 2**126]``, where the reciprocal is a normal float32 too (at
-   jmp's 2**127 it is subnormal and flushes to zero). A multiplication rather
-   than a division: XLA fuses it into every consumer, where a division is
-   materialised (2 more reads of the gradients and one more kernel per leaf
-   on XLA:CPU, docs/benchmarks.md). A scale that is not a power of two
-   unscales within one float32 rounding of the exact quotient;
-2. checks that every unscaled element is finite (one fused reduction over
-   buckets of the scaled gradients, see ``_finite_after_unscale``);
-3. if so, runs the inner update on the unscaled float32 gradients, so clipping,
-   weight decay and every other inner transform see the true gradients;
-   otherwise returns zero updates and leaves the inner state bitwise untouched
-   (moments, ``count``: a learning-rate schedule does not advance);
-4. adjusts the scale (``mpx._src.loss_scale``) and records skipped steps.
-
-The inner transformation therefore receives float32 gradients, as the paper
-recommends: with float16 parameters it should keep float32 state (float32
-master weights, ``mu_dtype``...). Updates are returned in each parameter's
-dtype when ``params`` is passed, so ``optax.apply_updates`` works under strict
-dtype promotion. A skipped step returns updates of ``-0.0``, because
-``p + (-0.0)`` is ``p`` bitwise for every ``p``, including ``-0.0``.
-
-Order with ``optax.MultiSteps``: put loss scaling *outside*,
-``dynamic_loss_scale(optax.MultiSteps(inner, k))``. Each mini-batch is then
-unscaled and checked before it enters the float32 accumulator, so a
-non-finite mini-batch costs one mini-step (the accumulator and mini-step
-counter stay untouched) and what is eventually applied is a sum of checked,
-true gradients; the scale may change inside a window, which is harmless
-because every mini-batch is divided by the scale it was computed with. The
-other order, ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the
-scale is constant within a window and the check covers the accumulated sum,
-but the *scaled* gradients are accumulated in their own dtype (float16 sums can
-overflow), one bad mini-batch discards the whole window, and the scale adapts
-``k`` times more slowly.
+One transformation, driven by a static rule (``mpx._src.scale_rules``), serves
+``dynamic_loss_scale``, ``static_loss_scale`` and ``no_loss_scale``; what its
+``update`` does is documented on :func:`dynamic_loss_scale`.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
-from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors
-from mpx._src import loss_scale as rules
+from mpx._src import errors, finite_check, scale_rules
 from mpx._src import master_params as master_params_lib
 from mpx._src import tree as tree_lib
-
-_INT32_MAX = np.iinfo(np.int32).max
 
 
 class LossScaleState(NamedTuple):
@@ -74,7 +31,7 @@ class LossScaleState(NamedTuple):
     consecutive_skips: int32 scalar, non-finite steps since the last finite one
       (saturating).
     diverged: bool scalar, set (and kept) once gradients overflowed while the
-      scale was already at its floor; see :func:`check_loss_scale`.
+      scale was already at its floor; see :func:`mpx.check_loss_scale`.
     inner_state: the state of the wrapped transformation.
   """
 
@@ -86,74 +43,35 @@ class LossScaleState(NamedTuple):
   diverged: jax.Array
   inner_state: optax.OptState
 
+  @property
+  def last_step_skipped(self) -> jax.Array:
+    """Bool scalar: whether the last ``update`` skipped its step (``consecutive_skips > 0``).
 
-def all_finite(tree: Any) -> jax.Array:
-  """Returns whether every element of every array leaf of ``tree`` is finite.
+    Example:
+      >>> import jax.numpy as jnp, optax, mpx
+      >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
+      >>> params = {"w": jnp.ones(2)}
+      >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
+      >>> state.last_step_skipped
+      Array(True, dtype=bool)
+    """
+    return self.consecutive_skips > 0
 
-  Args:
-    tree: any pytree of arrays.
 
-  Returns:
-    A bool scalar; ``True`` for a tree without leaves.
+def multiply(tree: Any, factor: jax.Array) -> Any:
+  """Multiplies every floating leaf by the float32 scalar ``factor``, in float32.
 
-  Example:
-    >>> import jax.numpy as jnp, mpx
-    >>> bool(mpx.all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
-    False
+  Half-precision leaves are converted to float32 first; float64 leaves stay
+  float64; other leaves are returned as they are.
   """
-  flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-  return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
+  def one(x: Any) -> Any:
+    if not tree_lib.is_floating_array(x):
+      return x
+    dtype = finite_check.unscaled_dtype(x.dtype)
+    return x.astype(dtype) * factor.astype(dtype)
 
-# Leaves up to this size are checked together in one concatenated reduction;
-# larger ones get one reduction each. Tuned on the GPT of
-# benchmarks/loss_scale_overhead.py (docs/benchmarks.md).
-_CONCAT_LIMIT = 2**16
-
-
-def _finite_after_unscale(grads: Any, scale: jax.Array) -> jax.Array:
-  """Whether every element of ``grads / scale`` is finite, in few kernels.
-
-  ``sum(|g|) * (1 / scale)`` is finite exactly when no element is inf or NaN
-  and no unscaled ``|g_i| * (1 / scale)`` overflows (``|g_i| <= sum(|g|)``),
-  so one scalar decides.
-  It is conservative only when the L1 norm of a bucket of scaled gradients
-  exceeds float32's max (3.4e38): that step is skipped and the scale backs off,
-  the right response to gradients that large. Reading the *scaled* gradients
-  lets XLA fuse the check without materialising the unscaled tree, and the
-  buckets cut the kernels per leaf from about three (a per-leaf ``isfinite``
-  reduction) to about one (docs/benchmarks.md).
-  """
-  small, totals = [], []
-  for g in jax.tree.leaves(grads):
-    g = g.astype(_unscaled_dtype(g))
-    if g.size <= _CONCAT_LIMIT and g.dtype == np.dtype(np.float32):
-      small.append(g.ravel())
-    else:
-      totals.append(jnp.sum(jnp.abs(g)).astype(jnp.float32))
-  if small:
-    totals.append(jnp.sum(jnp.abs(jnp.concatenate(small))))
-  if not totals:
-    return jnp.asarray(True)
-  return jnp.isfinite(jnp.sum(jnp.stack(totals)) * (1 / scale))
-
-
-def _saturating_increment(x: jax.Array) -> jax.Array:
-  return x + (x < _INT32_MAX).astype(x.dtype)
-
-
-def _unscaled_dtype(g: jax.Array) -> np.dtype:
-  return g.dtype if g.dtype.itemsize > 4 else np.dtype(np.float32)  # float64 stays
-
-
-def _unscale(grads: Any, scale: jax.Array) -> Any:
-  inverse = 1 / scale  # normal, and exact for a power of two: scales stay in [2**-126, 2**126]
-
-  def one(g: jax.Array) -> jax.Array:
-    dtype = _unscaled_dtype(g)
-    return g.astype(dtype) * inverse.astype(dtype)
-
-  return jax.tree.map(one, grads)
+  return jax.tree.map(one, tree)
 
 
 def _in_param_dtypes(updates: Any, params: Any) -> Any:
@@ -168,27 +86,19 @@ def _in_param_dtypes(updates: Any, params: Any) -> Any:
   return jax.tree.map(one, updates, params, is_leaf=lambda x: x is None)
 
 
-def _update_if_finite(
-  ok: jax.Array,
-  run_inner: Callable[[], tuple[optax.Updates, optax.OptState]],
-  inner_state: optax.OptState,
-) -> tuple[optax.Updates, optax.OptState]:
-  """The atomic skip: the inner step's result if ``ok``, else a no-op step.
+def _select(ok: jax.Array, new: Any, old: Any) -> Any:
+  """The atomic skip: ``new`` where ``ok``, else ``old``, leaf by leaf with ``jnp.where``.
 
-  Both branches are computed and selected leaf by leaf with ``jnp.where``
-  (as flax's ``DynamicScale`` does); this is the one place to change to try
-  another formulation (``lax.cond``, a select fused into the update).
+  Both branches are computed and selected, as flax's ``DynamicScale`` does; it
+  beats ``lax.cond`` in bytes and kernels (docs/benchmarks.md).
   """
-  updates, new_state = run_inner()
-  updates = jax.tree.map(lambda u: jnp.where(ok, u, -0.0), updates)
-  new_state = jax.tree.map(lambda n, o: jnp.where(ok, n, o), new_state, inner_state)
-  return updates, new_state
+  return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def _check_grads(grads: Any, params: Any) -> None:
   tree_lib.check_floating_leaves(grads, what="gradients")
   if params is not None:
-    tree_lib.check_same_structure(grads, params, names=("gradients", "params"))
+    tree_lib.check_same_shapes(grads, params, names=("gradients", "params"))
 
 
 def _warn_without_masters(params: Any, inner_state: Any) -> None:
@@ -212,36 +122,26 @@ def _warn_without_masters(params: Any, inner_state: Any) -> None:
   )
 
 
-def _initial_state(
-  scale: float, trackers: tuple[int, int], inner: optax.GradientTransformation, params: Any
-) -> LossScaleState:
-  inner_state = inner.init(params)
-  _warn_without_masters(params, inner_state)
-  # One array per field: a buffer shared by two leaves cannot be donated.
-  return LossScaleState(
-    loss_scale=jnp.asarray(scale, jnp.float32),
-    growth_tracker=jnp.asarray(trackers[0], jnp.int32),
-    hysteresis_tracker=jnp.asarray(trackers[1], jnp.int32),
-    skipped_steps=jnp.zeros((), jnp.int32),
-    consecutive_skips=jnp.zeros((), jnp.int32),
-    diverged=jnp.zeros((), jnp.bool_),
-    inner_state=inner_state,
-  )
-
-
-def _scaled_transform(
-  inner: optax.GradientTransformation,
-  *,
-  initial_scale: float,
-  trackers: tuple[int, int],
-  min_scale: float,
-  adjust: Callable[[jax.Array, LossScaleState], tuple[jax.Array, jax.Array, jax.Array]],
-  axis_name: Any,
+def _loss_scaling(
+  inner: optax.GradientTransformation, rule: scale_rules.Rule, *, axis_name: Any = None
 ) -> optax.GradientTransformationExtraArgs:
+  """The one loss-scaling transformation; ``rule`` decides what the scale does."""
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> LossScaleState:
-    return _initial_state(initial_scale, trackers, inner, params)
+    inner_state = inner.init(params)
+    _warn_without_masters(params, inner_state)
+    growth, hysteresis = rule.initial_trackers
+    # One array per field: a buffer shared by two leaves cannot be donated.
+    return LossScaleState(
+      loss_scale=jnp.asarray(rule.initial_scale, jnp.float32),
+      growth_tracker=jnp.asarray(growth, jnp.int32),
+      hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
+      skipped_steps=jnp.zeros((), jnp.int32),
+      consecutive_skips=jnp.zeros((), jnp.int32),
+      diverged=jnp.zeros((), jnp.bool_),
+      inner_state=inner_state,
+    )
 
   def update_fn(
     updates: optax.Updates,
@@ -251,26 +151,32 @@ def _scaled_transform(
   ) -> tuple[optax.Updates, LossScaleState]:
     state = cast(LossScaleState, state)
     _check_grads(updates, params)
-    ok = _finite_after_unscale(updates, state.loss_scale)
-    grads = _unscale(updates, state.loss_scale)
+    if rule.kind == "none":  # a scale of 1: nothing to unscale, check or skip
+      new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
+      return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
+
+    ok = finite_check.finite_after_unscale(updates, state.loss_scale)
     if axis_name is not None:
       ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
-
-    def run_inner() -> tuple[optax.Updates, optax.OptState]:
-      new_updates, new_state = inner.update(grads, state.inner_state, params, **extra_args)
-      return _in_param_dtypes(new_updates, params), new_state
-
-    new_updates, inner_state = _update_if_finite(ok, run_inner, state.inner_state)
-    scale, growth, hysteresis = adjust(ok, state)
-    at_floor = state.loss_scale <= jnp.float32(min_scale)
+    grads = multiply(updates, 1 / state.loss_scale)
+    new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
+    # p + (-0.0) is p bitwise for every p, -0.0 included; p + 0.0 is not.
+    new_updates = jax.tree.map(
+      lambda u: jnp.where(ok, u, -0.0), _in_param_dtypes(new_updates, params)
+    )
+    inner_state = _select(ok, inner_state, state.inner_state)
+    scale, growth, hysteresis = rule.adjust(
+      ok, state.loss_scale, state.growth_tracker, state.hysteresis_tracker
+    )
     skipped = jnp.logical_not(ok)
+    at_floor = state.loss_scale <= jnp.float32(rule.min_scale)
     return new_updates, LossScaleState(
       loss_scale=scale,
       growth_tracker=growth,
       hysteresis_tracker=hysteresis,
-      skipped_steps=jnp.where(ok, state.skipped_steps, _saturating_increment(state.skipped_steps)),
+      skipped_steps=jnp.where(ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
       consecutive_skips=jnp.where(
-        ok, jnp.zeros_like(state.consecutive_skips), _saturating_increment(state.consecutive_skips)
+        ok, jnp.zeros_like(state.consecutive_skips), optax.safe_increment(state.consecutive_skips)
       ),
       diverged=state.diverged | (skipped & at_floor),
       inner_state=inner_state,
@@ -294,46 +200,100 @@ def dynamic_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """Dynamic loss scaling around ``inner`` (paper section 3.2).
 
-  See the module docstring for what ``update`` does and for the recommended
-  order with ``optax.MultiSteps``. The rule, as pseudo-code::
+  Gradients of a float16 network are computed for ``loss * scale`` (see
+  :func:`mpx.value_and_grad`), so that small values do not flush to zero. The
+  transformation's ``update`` takes those *scaled* gradients and
 
-    ok = all gradients finite after unscaling
+  1. unscales them: each leaf is converted to float32 (float64 stays float64)
+     and multiplied by ``1 / scale``, as :func:`mpx.unscale` does;
+  2. checks that every unscaled element is finite (one fused reduction over
+     buckets of the scaled gradients);
+  3. if so, runs ``inner`` on the unscaled float32 gradients, so clipping,
+     weight decay and every other inner transform see the true gradients;
+     otherwise returns updates of ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise,
+     ``-0.0`` included) and leaves the inner state bitwise untouched (moments,
+     ``count``: a learning-rate schedule does not advance);
+  4. adjusts the scale by the rule below and counts skipped steps.
+
+  ``inner`` therefore receives float32 gradients, as the paper recommends: with
+  float16 params it should keep float32 state (float32 master weights, see
+  :func:`mpx.with_master_params`). Updates are returned in each param's dtype
+  when ``params`` is passed, so ``optax.apply_updates`` works under strict dtype
+  promotion. ``update`` checks, at trace time, that the gradients match the
+  params' tree structure and shapes, naming the first leaf that does not.
+
+  The rule, as pseudo-code (``ok`` = every unscaled gradient is finite)::
+
     if ok:
       growth_tracker += 1
-      if growth_tracker == growth_interval:   # grows on the N-th finite step
-        scale *= growth_factor                # only if finite and <= max_scale
-        growth_tracker = 0
-      hysteresis_tracker = hysteresis
-    else:                                     # step skipped atomically
-      growth_tracker = 0
+      if growth_tracker == growth_interval:
+        scale = grow(scale)
+        growth_tracker = -extra_steps_after_growth
+        if refill == "growth": hysteresis_tracker = hysteresis
+      if refill == "finite": hysteresis_tracker = hysteresis
+    else:                                   # the step is skipped
+      growth_tracker = -extra_steps_after_overflow
       hysteresis_tracker -= 1
-      if hysteresis_tracker == 0:
+      if hysteresis_tracker <= 0:
         scale = max(scale * backoff_factor, min_scale)
-        hysteresis_tracker = hysteresis
+        hysteresis_tracker = hysteresis if refill == "finite" else 0
 
-  Presets fix a framework's semantics and defaults, step for step:
+  The first step starts from ``growth_tracker = -extra_steps_after_overflow``
+  and ``hysteresis_tracker = hysteresis``. ``grow(scale)`` is
+  ``scale * growth_factor`` when that is at most ``max_scale``, else ``scale``
+  unchanged ("hold"); the flax preset clamps to ``max_scale`` instead, as
+  ``flax.training.dynamic_scale`` does ("clamp"). ``diverged`` is set when a
+  step overflows while the scale is already at ``min_scale``. Presets fix a
+  framework's semantics and defaults, step for step:
 
-  ========== ======= ======== ===== ========== ==============================
-  preset     initial interval floor hysteresis differences from the rule above
-  ========== ======= ======== ===== ========== ==============================
-  default    2**15   2000     1     1
-  torch      2**16   2000     tiny  1          (torch has no floor)
-  keras      2**15   2000     tiny  1          (Keras has no floor, no ceiling)
-  jmp        2**15   2000     1     1
-  flax       65536   2000     tiny  1          grows on the (N+1)-th finite step;
-                                               clamps to max_scale
-  megatron   2**32   1000     1     2          hysteresis refills only on growth
-  deepspeed  2**16   1000     1     2          refills only on growth; first growth
-                                               after N+1 clean steps, then every N
-  paddle     2**16   2000     1     1          hysteresis = decr_every_n_nan_or_inf
-  ========== ======= ======== ===== ========== ==============================
+  ========= ======= ======== ===== ========== ====== =============== ======
+  preset    initial interval floor hysteresis refill extra steps     at max
+                                                     overflow/growth
+  ========= ======= ======== ===== ========== ====== =============== ======
+  default   2**15   2000     1     1          finite 0 / 0           hold
+  torch     2**16   2000     tiny  1          finite 0 / 0           hold
+  keras     2**15   2000     tiny  1          finite 0 / 0           hold
+  jmp       2**15   2000     1     1          finite 0 / 0           hold
+  flax      65536   2000     tiny  1          finite 1 / 1           clamp
+  megatron  2**32   1000     1     2          growth 0 / 0           hold
+  deepspeed 2**16   1000     1     2          growth 1 / 0           hold
+  paddle    2**16   2000     1     1          finite 0 / 0           hold
+  ========= ======= ======== ===== ========== ====== =============== ======
 
-  ``tiny`` is float32's smallest normal number, 2**-126; every preset's
-  ceiling is 2**126 (the largest scale whose reciprocal is a normal float32;
-  flax's is float32's max, torch's and Keras' is none), so the scale always
-  stays a finite, normal float32 with which unscaling is exact. Explicit arguments override the preset's values,
-  so ``preset="flax", growth_interval=4`` behaves like flax's
-  ``DynamicScale(growth_interval=4)``.
+  Every preset grows by 2 and backs off by 0.5. flax grows on the
+  (N+1)-th finite step; DeepSpeed first grows after N+1 clean steps, then
+  every N; Paddle's ``decr_every_n_nan_or_inf`` is the hysteresis. Explicit
+  arguments override the preset's values, so ``preset="flax",
+  growth_interval=4`` behaves like flax's ``DynamicScale(growth_interval=4)``.
+
+  Bounds and exactness: every scale lies in ``[2**-126, 2**126]``, where the
+  scale and its reciprocal are normal float32 numbers. ``tiny`` is 2**-126
+  (torch and Keras have no floor; their scale can reach 0) and every preset's
+  ceiling is 2**126 (flax's is float32's max, torch's and Keras' none; they
+  agree below 2**126). Multiplying by ``1 / scale`` is then exact for the
+  power-of-two scales of every preset whenever the product is a normal float32
+  (jmp's scale can reach 2**127, whose reciprocal is subnormal and flushes to
+  zero); a scale that is not a power of two unscales within one float32
+  rounding of the exact quotient. A multiplication rather than a division:
+  XLA fuses it into every consumer, where a division is materialised.
+
+  Order with ``optax.MultiSteps``: put loss scaling *outside*,
+  ``dynamic_loss_scale(optax.MultiSteps(inner, k))``. Each mini-batch is then
+  unscaled and checked before it enters the float32 accumulator, so a
+  non-finite mini-batch costs one mini-step (the accumulator and mini-step
+  counter stay untouched) and what is eventually applied is a sum of checked,
+  true gradients; the scale may change inside a window, which is harmless
+  because every mini-batch is divided by the scale it was computed with. The
+  other order, ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the
+  scale is constant within a window and the check covers the accumulated sum,
+  but the *scaled* gradients are accumulated in their own dtype (float16 sums
+  can overflow), one bad mini-batch discards the whole window, and the scale
+  adapts ``k`` times more slowly.
+
+  Every hyperparameter must be known when the transformation is built: a
+  Python number or a concrete 0-d array such as ``jnp.float32(2**15)``, not a
+  value traced under ``jit``. Building and ``init`` work under ``jax.jit``,
+  ``jax.eval_shape`` and ``optax.inject_hyperparams``.
 
   Args:
     inner: the transformation that receives the unscaled float32 gradients.
@@ -349,10 +309,10 @@ def dynamic_loss_scale(
       which the finite decision is made global (every device skips together).
 
   Returns:
-    A transformation whose state is a :class:`LossScaleState`.
+    A transformation whose state is a :class:`mpx.LossScaleState`.
 
   Raises:
-    ConfigError: an unknown preset or an out-of-range hyperparameter.
+    ConfigError: an unknown preset, or a traced or out-of-range hyperparameter.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -363,7 +323,7 @@ def dynamic_loss_scale(
     >>> updates["w"], state.loss_scale, state.skipped_steps
     (Array([-0., -0.], dtype=float32), Array(4., dtype=float32), Array(1, dtype=int32))
   """
-  rule = rules.resolve_rule(
+  rule = scale_rules.resolve_rule(
     preset,
     initial_scale=initial_scale,
     growth_factor=growth_factor,
@@ -373,19 +333,7 @@ def dynamic_loss_scale(
     min_scale=min_scale,
     max_scale=max_scale,
   )
-  growth0, hysteresis0 = rules.initial_trackers(rule)
-
-  def adjust(ok: jax.Array, state: LossScaleState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    return rules.adjust(rule, ok, state.loss_scale, state.growth_tracker, state.hysteresis_tracker)
-
-  return _scaled_transform(
-    inner,
-    initial_scale=rule.initial_scale,
-    trackers=(int(growth0), int(hysteresis0)),
-    min_scale=rule.min_scale,
-    adjust=adjust,
-    axis_name=axis_name,
-  )
+  return _loss_scaling(inner, rule, axis_name=axis_name)
 
 
 def static_loss_scale(
@@ -393,65 +341,38 @@ def static_loss_scale(
 ) -> optax.GradientTransformationExtraArgs:
   """A constant loss scale around ``inner`` (paper section 3.2).
 
-  Unscales in float32, checks finiteness and skips non-finite steps atomically
-  exactly like :func:`dynamic_loss_scale`, but never changes the scale. Since
-  the scale cannot back off, every skipped step sets ``diverged``.
+  ``update`` unscales, checks and skips non-finite steps atomically exactly
+  like :func:`mpx.dynamic_loss_scale` (whose docstring describes the steps),
+  but never changes the scale. Since the scale cannot back off, every skipped
+  step sets ``diverged``.
 
   Args:
     inner: the transformation that receives the unscaled float32 gradients.
     scale: the constant scale, a positive normal float32 (a power of two keeps
-      unscaling exact).
-    axis_name: see :func:`dynamic_loss_scale`.
+      unscaling exact): a Python number or a concrete 0-d array.
+    axis_name: see :func:`mpx.dynamic_loss_scale`.
 
   Returns:
-    A transformation whose state is a :class:`LossScaleState`.
+    A transformation whose state is a :class:`mpx.LossScaleState`.
 
   Raises:
-    ConfigError: if ``scale`` is not a positive, finite, normal float32.
+    ConfigError: if ``scale`` is traced, or not a positive, finite, normal
+      float32.
   """
-  value = rules.check_scale("scale", scale)
-
-  def adjust(ok: jax.Array, state: LossScaleState) -> tuple[jax.Array, jax.Array, jax.Array]:
-    del ok
-    return state.loss_scale, state.growth_tracker, state.hysteresis_tracker
-
-  return _scaled_transform(
-    inner,
-    initial_scale=value,
-    trackers=(0, 0),
-    min_scale=value,
-    adjust=adjust,
-    axis_name=axis_name,
-  )
+  return _loss_scaling(inner, scale_rules.static_rule(scale), axis_name=axis_name)
 
 
 def no_loss_scale(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """A loss scale of 1 with no check and no skip, for bfloat16 and float32.
 
-  Gradients go to ``inner`` unchanged; the state is a :class:`LossScaleState`
-  whose counters never move, so :func:`value_and_grad` and
-  :func:`loss_scale_metrics` work on one code path for every precision.
+  Gradients go to ``inner`` unchanged; the state is a :class:`mpx.LossScaleState`
+  whose counters never move, so :func:`mpx.value_and_grad` and
+  :func:`mpx.loss_scale_metrics` work on one code path for every precision.
 
   Args:
     inner: the wrapped transformation.
 
   Returns:
-    A transformation whose state is a :class:`LossScaleState`.
+    A transformation whose state is a :class:`mpx.LossScaleState`.
   """
-  inner = optax.with_extra_args_support(inner)
-
-  def init_fn(params: optax.Params) -> LossScaleState:
-    return _initial_state(1.0, (0, 0), inner, params)
-
-  def update_fn(
-    updates: optax.Updates,
-    state: optax.OptState,
-    params: optax.Params | None = None,
-    **extra_args: Any,
-  ) -> tuple[optax.Updates, LossScaleState]:
-    state = cast(LossScaleState, state)
-    _check_grads(updates, params)
-    new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-    return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
-
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  return _loss_scaling(inner, scale_rules.NO_SCALING)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 import warnings
 from collections.abc import Callable
@@ -13,8 +14,7 @@ import numpy as np
 import optax
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors, loss_scaling
-from mpx._src import loss_scale as loss_scale_lib
+from mpx._src import errors, loss_scaling, scale_rules
 from mpx._src import master_params as master_params_lib
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
@@ -27,6 +27,12 @@ _F16 = np.dtype(jnp.float16)
 def _loss_scaling(
   spec: LossScaleSpec, policy: policy_lib.Policy
 ) -> Callable[[optax.GradientTransformation], optax.GradientTransformationExtraArgs]:
+  if isinstance(spec, numbers.Real | np.ndarray | np.generic | jax.Array) and not isinstance(
+    spec, bool
+  ):  # a static scale; first, because `array == "dynamic"` is not a bool
+    return functools.partial(
+      loss_scaling.static_loss_scale, scale=scale_rules.check_scale("loss_scale", spec)
+    )
   if spec is None:
     return loss_scaling.no_loss_scale
   if spec == "dynamic":
@@ -34,16 +40,14 @@ def _loss_scaling(
       return loss_scaling.dynamic_loss_scale
     return loss_scaling.no_loss_scale  # bfloat16 and float32 gradients do not underflow
   if isinstance(spec, str):
-    if spec not in loss_scale_lib.PRESETS:
+    if spec not in scale_rules.PRESETS:
       raise errors.ConfigError(
         f"Unknown loss_scale {spec!r}. Pass 'dynamic', a preset name "
-        f"({', '.join(loss_scale_lib.PRESETS)}), a positive float for a static scale, "
+        f"({', '.join(scale_rules.PRESETS)}), a positive float for a static scale, "
         "None for no scaling, or a function such as "
         "functools.partial(mpx.dynamic_loss_scale, growth_interval=500)."
       )
-    return lambda inner: loss_scaling.dynamic_loss_scale(inner, preset=spec)
-  if isinstance(spec, numbers.Real) and not isinstance(spec, bool):
-    return lambda inner: loss_scaling.static_loss_scale(inner, float(spec))
+    return functools.partial(loss_scaling.dynamic_loss_scale, preset=spec)
   if callable(spec):
     return spec
   raise errors.ConfigError(

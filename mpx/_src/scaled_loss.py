@@ -2,14 +2,15 @@
 
 A train step changes by two lines: ``mpx.value_and_grad(loss_fn, opt_state)``
 returns the true loss with the gradients of the scaled loss, and the
-loss-scaling transformation's ``update`` unscales them. Metrics and the
-divergence check read the same :class:`LossScaleState`, wherever it sits in a
-nested optax state (``chain`` tuples, ``named_chain`` dicts, ``MultiSteps``,
-``inject_hyperparams``, ``masked``...).
+loss-scaling transformation's ``update`` unscales them. Metrics, the divergence
+check and ``mpx.scale``/``mpx.unscale`` read the same :class:`LossScaleState`,
+wherever it sits in a nested optax state (``chain`` tuples, ``named_chain``
+dicts, ``MultiSteps``, ``inject_hyperparams``, ``masked``...).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import errors
+from mpx._src import errors, loss_scaling
 from mpx._src import tree as tree_lib
 from mpx._src.loss_scaling import LossScaleState
 
@@ -80,6 +81,7 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
   Returns:
     A dict with keys ``loss_scale``, ``skipped_steps``, ``consecutive_skips``,
+    ``last_step_skipped`` (bool: whether the last ``update`` skipped its step),
     ``growth_tracker`` and ``diverged``.
 
   Raises:
@@ -90,6 +92,7 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     "loss_scale": s.loss_scale,
     "skipped_steps": s.skipped_steps,
     "consecutive_skips": s.consecutive_skips,
+    "last_step_skipped": s.last_step_skipped,
     "growth_tracker": s.growth_tracker,
     "diverged": s.diverged,
   }
@@ -133,6 +136,79 @@ def _scale_of(opt_state_or_scale: Any) -> jax.Array:
   return get_loss_scale(opt_state_or_scale).astype(jnp.float32)
 
 
+def scale(tree: Any, opt_state_or_scale: Any) -> Any:
+  """Multiplies every floating leaf of ``tree`` by the current loss scale.
+
+  For losses differentiated outside :func:`value_and_grad`: a second loss
+  whose gradients are added to the first, or the inner gradient of a gradient
+  penalty. Floating leaves are converted to float32 (float64 stays float64)
+  before the multiplication, so a float16 loss cannot overflow; other leaves
+  are returned as they are.
+
+  Args:
+    tree: a loss, or any pytree.
+    opt_state_or_scale: an optax state holding one :class:`mpx.LossScaleState`,
+      or the scale itself as a scalar array.
+
+  Returns:
+    ``tree`` with every floating leaf multiplied by the scale.
+
+  Raises:
+    StateError: if the scale cannot be found or is not a floating scalar.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpx
+    >>> mpx.scale({"loss": jnp.float16(3.0), "step": 7}, jnp.float32(1024))
+    {'loss': Array(3072., dtype=float32), 'step': 7}
+    >>> # A gradient penalty: scale the inner loss, unscale its gradient.
+    >>> s = jnp.float32(2**10)  # or the optimizer state
+    >>> def loss_fn(w, x):
+    ...   inner = lambda x: mpx.scale(jnp.sum(w * x**2), s)
+    ...   grad_x = mpx.unscale(jax.grad(inner)(x), s)  # the true 2 * w * x
+    ...   return jnp.sum(w * x**2) + jnp.sum(grad_x**2)
+    >>> mpx.value_and_grad(loss_fn, s)(jnp.float32(0.5), jnp.ones(2))
+    (Array(3., dtype=float32), Array(10240., dtype=float32))
+  """
+  return loss_scaling.multiply(tree, _scale_of(opt_state_or_scale))
+
+
+def unscale(tree: Any, opt_state_or_scale: Any) -> Any:
+  """Divides every floating leaf of ``tree`` by the current loss scale.
+
+  The same operation as the loss-scaling transformation's ``update``: each
+  floating leaf is converted to float32 (float64 stays float64) and multiplied
+  by ``1 / scale``, which is exact for a power-of-two scale (see
+  :func:`mpx.dynamic_loss_scale`); other leaves are returned as they are. Use
+  it to read true gradients outside the optimizer (gradient norms for logging,
+  a gradient penalty); it does not check that they are finite.
+
+  Args:
+    tree: scaled gradients, or any pytree.
+    opt_state_or_scale: an optax state holding one :class:`mpx.LossScaleState`,
+      or the scale itself as a scalar array.
+
+  Returns:
+    ``tree`` with every floating leaf divided by the scale.
+
+  Raises:
+    StateError: if the scale cannot be found or is not a floating scalar.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
+    >>> state = tx.init({"w": jnp.ones(2)})
+    >>> loss, grads = mpx.value_and_grad(lambda p: (p["w"] ** 2).sum(), state)({"w": jnp.ones(2)})
+    >>> grads["w"], mpx.unscale(grads, state)["w"]
+    (Array([65536., 65536.], dtype=float32), Array([2., 2.], dtype=float32))
+  """
+  return loss_scaling.multiply(tree, 1 / _scale_of(opt_state_or_scale))
+
+
+def _has_nnx_object(tree: Any) -> bool:
+  leaves = jax.tree.leaves(tree, is_leaf=tree_lib.is_nnx_object)
+  return any(tree_lib.is_nnx_object(x) for x in leaves)
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   opt_state_or_scale: Any,
@@ -147,11 +223,18 @@ def value_and_grad(
   the *scaled* loss: pass them to the loss-scaling transformation, which
   unscales them. The returned loss is ``fun``'s own value, unscaled.
 
+  Flax NNX objects (modules, ``nnx.Rngs``...) among the arguments are
+  differentiated with ``flax.nnx.grad``, like ``nnx.value_and_grad`` does:
+  the gradients are an ``nnx.State`` of the ``nnx.Param`` variables, and every
+  variable ``fun`` writes (BatchNorm statistics, ``nnx.Rngs`` counts, counters)
+  is updated in the caller's objects.
+
   Args:
     fun: returns a floating scalar loss, or ``(loss, aux)`` with ``has_aux``.
-    opt_state_or_scale: an optax state holding one :class:`LossScaleState`,
+    opt_state_or_scale: an optax state holding one :class:`mpx.LossScaleState`,
       or the scale itself as a scalar array.
-    argnums: which positional arguments to differentiate.
+    argnums: which positional arguments to differentiate (with NNX arguments,
+      an ``nnx.DiffState`` too, as for ``nnx.grad``).
     has_aux: whether ``fun`` returns ``(loss, aux)``.
 
   Returns:
@@ -167,8 +250,11 @@ def value_and_grad(
     >>> loss, grads
     (Array(2., dtype=float32), Array([16., 16.], dtype=float32))
   """
-  scale = _scale_of(opt_state_or_scale)
+  loss_scale = _scale_of(opt_state_or_scale)
 
+  # `wraps` gives `scaled` the signature of `fun`, which nnx.grad reads to
+  # turn keyword arguments into positional ones.
+  @functools.wraps(fun)
   def scaled(*args: Any, **kwargs: Any) -> tuple[jax.Array, Any]:
     out = fun(*args, **kwargs)
     loss, aux = out if has_aux else (out, None)
@@ -177,11 +263,17 @@ def value_and_grad(
         f"The loss must be a floating-point scalar array, got {loss!r}. Return e.g. "
         "loss.mean() from the loss function."
       )
-    return loss.astype(jnp.float32) * scale, (loss, aux)
-
-  grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True)
+    return loss.astype(jnp.float32) * loss_scale, (loss, aux)
 
   def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    if _has_nnx_object((args, kwargs)):
+      # jax.grad would differentiate copies of the NNX objects, and their state
+      # updates would be lost. Only NNX users get here: `import mpx` needs no Flax.
+      from flax import nnx
+
+      grad_fn = nnx.grad(scaled, argnums=argnums, has_aux=True)
+    else:
+      grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True)
     grads, (loss, aux) = grad_fn(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 

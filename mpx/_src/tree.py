@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -97,21 +96,18 @@ def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:
   return found
 
 
-def check_floating_leaves(
-  tree: PyTree, *, what: str, allow: Callable[[Any], bool] | None = None
-) -> None:
+def check_floating_leaves(tree: PyTree, *, what: str) -> None:
   """Raises if a leaf of ``tree`` is not a floating array.
 
   Args:
     tree: the tree to check, e.g. gradients.
     what: how the tree is called in the message, e.g. ``"gradients"``.
-    allow: optional predicate for leaves that are accepted anyway.
 
   Raises:
     LeafTypeError: naming the first offending leaf's path, dtype and the fix.
   """
   for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-    if is_floating_array(leaf) or (allow is not None and allow(leaf)):
+    if is_floating_array(leaf):
       continue
     kind = f"dtype {leaf.dtype}" if is_array(leaf) else f"type {type(leaf).__name__}"
     raise errors.LeafTypeError(
@@ -162,3 +158,31 @@ def check_same_structure(a: PyTree, b: PyTree, *, names: tuple[str, str]) -> Non
     f"({len(pa)} against {len(pb)} leaves). Pass the {names[1]} the {names[0]} were "
     "computed from."
   )
+
+
+def check_same_shapes(a: PyTree, b: PyTree, *, names: tuple[str, str]) -> None:
+  """Raises if two trees differ in structure or in the shape of a leaf.
+
+  Reads shapes only, so it runs at trace time and costs nothing in the step.
+
+  Args:
+    a: the first tree, e.g. gradients.
+    b: the second tree, e.g. params.
+    names: how the two trees are called in the message.
+
+  Raises:
+    TreeStructureError: as :func:`check_same_structure`, or naming the first
+      leaf path whose shapes differ, with both shapes.
+  """
+  check_same_structure(a, b, names=names)
+  leaves_b = jax.tree.leaves(b)
+  for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], leaves_b, strict=True):
+    shape_x, shape_y = getattr(x, "shape", None), getattr(y, "shape", None)
+    if shape_x is None or shape_y is None or tuple(shape_x) == tuple(shape_y):
+      continue
+    raise errors.TreeStructureError(
+      f"{names[0]} leaf {path_str(path)!r} has shape {tuple(shape_x)}, but the {names[1]} leaf "
+      f"{path_str(path)!r} has shape {tuple(shape_y)}; each leaf of the {names[0]} must have "
+      f"the shape of its leaf in the {names[1]}. Pass the {names[1]} the {names[0]} were "
+      "computed from."
+    )

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import errors, loss_scaling
+from mpx._src import dtypes, errors, loss_scaling
 from mpx._src import tree as tree_lib
 from mpx._src.loss_scaling import LossScaleState
 
@@ -127,7 +127,7 @@ def check_loss_scale(opt_state: Any) -> None:
 def _scale_of(opt_state_or_scale: Any) -> jax.Array:
   if tree_lib.is_array(opt_state_or_scale) or isinstance(opt_state_or_scale, float):
     scale = jnp.asarray(opt_state_or_scale)
-    if scale.shape != () or not jnp.issubdtype(scale.dtype, jnp.floating):
+    if scale.shape != () or not dtypes.is_floating(scale.dtype):
       raise errors.StateError(
         f"A loss scale must be a floating scalar, got shape {scale.shape} and dtype "
         f"{scale.dtype}. Pass the optimizer state or mpx.get_loss_scale(opt_state)."

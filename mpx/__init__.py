@@ -19,6 +19,8 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.kahan import KahanState as KahanState
+from mpx._src.kahan import with_kahan_summation as with_kahan_summation
 from mpx._src.keep import KeepRules as KeepRules
 from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
 from mpx._src.kernels import softmax as softmax
@@ -38,12 +40,16 @@ from mpx._src.scaled_loss import check_loss_scale as check_loss_scale
 from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
 from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
+from mpx._src.state_dtype import with_state_dtype as with_state_dtype
+from mpx._src.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
+from mpx._src.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
 
 __version__ = "0.1.0"
 
 __all__ = (
   "AuditReport",
   "ConfigError",
+  "KahanState",
   "KeepRules",
   "LeafTypeError",
   "LossScaleDivergedError",
@@ -55,6 +61,7 @@ __all__ = (
   "PolicyError",
   "PrecisionWarning",
   "StateError",
+  "StochasticRoundingState",
   "TreeStructureError",
   "accumulate_in_float32",
   "all_finite",
@@ -74,5 +81,8 @@ __all__ = (
   "softmax",
   "static_loss_scale",
   "value_and_grad",
+  "with_kahan_summation",
   "with_master_params",
+  "with_state_dtype",
+  "with_stochastic_rounding",
 )

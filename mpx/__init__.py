@@ -24,6 +24,8 @@ from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
 from mpx._src.finite_check import all_finite as all_finite
+from mpx._src.kahan import KahanState as KahanState
+from mpx._src.kahan import with_kahan_summation as with_kahan_summation
 from mpx._src.keep import KeepRules as KeepRules
 from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
 from mpx._src.kernels import dot_product_attention as dot_product_attention
@@ -45,6 +47,9 @@ from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
 from mpx._src.scaled_loss import scale as scale
 from mpx._src.scaled_loss import unscale as unscale
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
+from mpx._src.state_dtype import with_state_dtype as with_state_dtype
+from mpx._src.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
+from mpx._src.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
 
 if _typing.TYPE_CHECKING:
   from mpx import linen as linen
@@ -57,6 +62,7 @@ _LAZY_SUBMODULES = ("linen", "nnx")
 __all__ = (
   "AuditReport",
   "ConfigError",
+  "KahanState",
   "KeepRules",
   "LeafTypeError",
   "LossScaleDivergedError",
@@ -68,6 +74,7 @@ __all__ = (
   "PolicyError",
   "PrecisionWarning",
   "StateError",
+  "StochasticRoundingState",
   "TreeStructureError",
   "accumulate_in_float32",
   "all_finite",
@@ -90,7 +97,10 @@ __all__ = (
   "static_loss_scale",
   "unscale",
   "value_and_grad",
+  "with_kahan_summation",
   "with_master_params",
+  "with_state_dtype",
+  "with_stochastic_rounding",
 )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any, NamedTuple
 
 import jax
@@ -29,6 +30,22 @@ class MasterParamsState(NamedTuple):
 
   master_params: optax.Params
   inner_state: optax.OptState
+
+
+class HalfParamsState(abc.ABC):  # noqa: B024 (a marker: registered, not inherited)
+  """The optimizer states that keep small updates of half-precision params.
+
+  :class:`MasterParamsState` keeps float32 masters. The states of
+  ``mpx.with_kahan_summation`` and ``mpx.with_stochastic_rounding`` keep none:
+  their ``master_params`` is ``None`` at every leaf, since each of their params
+  is exactly ``params + updates``. A registered class has a ``master_params``
+  attribute (a tree shaped like the params) and an ``inner_state`` field;
+  :func:`find_master_params` reads the one such state of an optimizer.
+  Registration rather than a base class, as a ``NamedTuple`` has none.
+  """
+
+
+HalfParamsState.register(MasterParamsState)
 
 
 def _is_none(x: Any) -> bool:
@@ -117,7 +134,23 @@ def check_masters(
       )
 
 
-def _follow_param_shardings(inner_state: optax.OptState, inner_params: optax.Params) -> Any:
+def update_toward(target: jax.Array, param: jax.Array, wide_dtype: np.dtype) -> jax.Array:
+  """The param-dtype update ``u`` for which ``param + u`` is ``target``, where it can be.
+
+  The difference of two param-dtype values is computed in ``wide_dtype``,
+  where it is exact whenever it is representable at all; then ``param + u``
+  (what ``optax.apply_updates`` computes) is exactly ``target``.
+  """
+  diff = target.astype(wide_dtype) - param.astype(wide_dtype)
+  # A weight flipping from +max to -max needs a difference beyond the param
+  # dtype's range, which would round to inf and make p + u non-finite.
+  # Clamped, p + u stays finite and the next update lands on the target.
+  big = float(jnp.finfo(param.dtype).max)
+  diff = jnp.where(jnp.isfinite(target), jnp.clip(diff, -big, big), diff)
+  return diff.astype(param.dtype)
+
+
+def follow_param_shardings(inner_state: optax.OptState, inner_params: optax.Params) -> Any:
   """Places every param-shaped moment on its param's sharding (eager init only).
 
   optax creates moments with ``jnp.zeros_like``, which does not keep the
@@ -231,7 +264,7 @@ def with_master_params(
     inner_params = jax.tree.map(
       lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
     )
-    inner_state = _follow_param_shardings(inner.init(inner_params), inner_params)
+    inner_state = follow_param_shardings(inner.init(inner_params), inner_params)
     return MasterParamsState(masters, inner_state)
 
   def update_fn(
@@ -267,26 +300,43 @@ def with_master_params(
       is_leaf=_is_none,
     )
 
-    def to_param_update(m: Any, p: Any, u: Any) -> Any:
-      if m is None:
-        return u
-      # The difference of two param-dtype values is computed in the master
-      # dtype, where it is exact whenever it is representable at all.
-      target = m.astype(p.dtype)
-      diff = target.astype(m.dtype) - p.astype(m.dtype)
-      # A weight flipping from +max to -max needs a difference beyond the param
-      # dtype's range, which would round to inf and make p + u non-finite.
-      # Clamped, p + u stays finite and the next update lands on the master.
-      big = float(jnp.finfo(p.dtype).max)
-      diff = jnp.where(jnp.isfinite(target), jnp.clip(diff, -big, big), diff)
-      return diff.astype(p.dtype)
-
     param_updates = jax.tree.map(
-      to_param_update, new_masters, params, inner_updates, is_leaf=_is_none
+      lambda m, p, u: u if m is None else update_toward(m.astype(p.dtype), p, m.dtype),
+      new_masters,
+      params,
+      inner_updates,
+      is_leaf=_is_none,
     )
     return param_updates, MasterParamsState(new_masters, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
+
+
+def find_half_params_state(opt_state: optax.OptState) -> Any:
+  """Returns the one :class:`HalfParamsState` inside ``opt_state``, or ``None``.
+
+  Args:
+    opt_state: any optimizer state, e.g. that of ``mpx.mixed_precision``.
+
+  Returns:
+    The state of the one ``mpx.with_master_params``,
+    ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` inside
+    ``opt_state``, or ``None`` if there is none.
+
+  Raises:
+    StateError: ``opt_state`` holds more than one such state.
+  """
+  found = [node for _, node in tree_lib.find_nodes(opt_state, HalfParamsState)]
+  if len(found) > 1:
+    kinds = sorted({type(node).__name__ for node in found})
+    what = f"{kinds[0]} entries" if len(kinds) == 1 else f"entries ({', '.join(kinds)})"
+    raise errors.StateError(
+      f"The optimizer state holds {len(found)} {what}, so it is ambiguous which one keeps "
+      "the half-precision params. Wrap the whole optimizer in one mpx.with_master_params "
+      "(or mpx.mixed_precision) instead of each part; around mpx.with_kahan_summation or "
+      "mpx.with_stochastic_rounding, pass master_dtype=None to mpx.mixed_precision."
+    )
+  return found[0] if found else None
 
 
 def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
@@ -296,20 +346,15 @@ def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
     opt_state: any optimizer state, e.g. that of ``mpx.mixed_precision``.
 
   Returns:
-    The ``master_params`` tree of the one :class:`MasterParamsState` inside
-    ``opt_state`` (``None`` at leaves without a master), or ``None``.
+    The ``master_params`` tree of the one :class:`HalfParamsState` inside
+    ``opt_state`` (``None`` at leaves without a master: every leaf of a
+    compensated state), or ``None``.
 
   Raises:
-    StateError: ``opt_state`` holds more than one :class:`MasterParamsState`.
+    StateError: ``opt_state`` holds more than one :class:`HalfParamsState`.
   """
-  found = [node for _, node in tree_lib.find_nodes(opt_state, MasterParamsState)]
-  if len(found) > 1:
-    raise errors.StateError(
-      f"The optimizer state holds {len(found)} MasterParamsState entries, so it is ambiguous "
-      "which masters the params follow. Wrap the whole optimizer in one "
-      "mpx.with_master_params (or mpx.mixed_precision) instead of each part."
-    )
-  return found[0].master_params if found else None
+  state = find_half_params_state(opt_state)
+  return None if state is None else state.master_params
 
 
 def apply_updates(
@@ -323,9 +368,11 @@ def apply_updates(
   bit, which ``optax.apply_updates`` cannot always do (see
   :func:`with_master_params`); the update of such a leaf is not used. Every
   other leaf gets ``(param + update).astype(param.dtype)`` as in optax. Without
-  masters in ``opt_state`` it is ``optax.apply_updates``, so it is the one call
-  that fits every policy. It reads the masters that ``update`` wrote and
-  checked; nothing is validated twice.
+  masters in ``opt_state`` (float32 params, or half params whose updates
+  ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` compensate)
+  it is ``optax.apply_updates``, so it is the one call that fits every
+  policy. It reads the masters that ``update`` wrote and checked; nothing is
+  validated twice.
 
   Args:
     params: the params the updates were computed for.

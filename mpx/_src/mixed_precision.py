@@ -15,8 +15,11 @@ import optax
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors, loss_scaling, scale_rules
+from mpx._src import kahan as kahan_lib
 from mpx._src import master_params as master_params_lib
 from mpx._src import policy as policy_lib
+from mpx._src import state_dtype as state_dtype_lib
+from mpx._src import stochastic_rounding as rounding_lib
 from mpx._src import tree as tree_lib
 
 LossScaleSpec = str | float | Callable[[optax.GradientTransformation], Any] | None
@@ -110,6 +113,15 @@ def mixed_precision(
     agree with it except in the corner cases :func:`mpx.with_master_params`
     lists.
 
+  Layout (c), half params without masters, keeps their small updates by
+  compensating them inside ``inner``: wrap it in
+  :func:`mpx.with_kahan_summation` or :func:`mpx.with_stochastic_rounding`
+  and pass ``master_dtype=None``, e.g. ``mixed_precision(
+  mpx.with_kahan_summation(mpx.with_state_dtype(optax.adamw(3e-4),
+  state_dtype="bfloat16")), "bfloat16", master_dtype=None)`` (8 bytes per
+  parameter; 6 with stochastic rounding). Masters around a compensated
+  ``inner`` are an error at ``init``.
+
   Masters follow the params, not the policy: any floating param narrower than
   ``master_dtype`` gets one. ``init`` warns when a param is narrower than the
   policy's param dtype (a model initialised outside the policy).
@@ -127,7 +139,8 @@ def mixed_precision(
       a function ``inner -> transformation`` such as
       ``functools.partial(mpx.dynamic_loss_scale, growth_interval=500)``.
     master_dtype: the dtype of masters and moments for half params; ``None``
-      disables masters, which loses small updates (a ``PrecisionWarning``).
+      disables masters, which loses small updates (a ``PrecisionWarning``)
+      unless ``inner`` compensates them (layout (c) above).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is an
@@ -137,6 +150,7 @@ def mixed_precision(
   Raises:
     PolicyError: ``policy`` or ``master_dtype`` cannot be parsed.
     ConfigError: ``loss_scale`` is not understood or out of range.
+    StateError: at ``init``, masters around a compensated ``inner``.
 
   Warns:
     PrecisionWarning: at ``init``, when a param is narrower than the policy's
@@ -161,7 +175,9 @@ def mixed_precision(
 
   def init_fn(params: optax.Params) -> optax.OptState:
     _warn_on_narrow_params(params, policy)
-    return tx.init(params)
+    state = tx.init(params)
+    master_params_lib.find_half_params_state(state)  # masters around a compensated inner: raise
+    return state
 
   return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
@@ -172,6 +188,7 @@ def check_state(
   policy: policy_lib.Policy | str,
   *,
   master_dtype: dtypes_lib.DTypeLike | None = jnp.float32,
+  state_dtype: dtypes_lib.DTypeLike | None = None,
 ) -> None:
   """Raises if restored params and optimizer state do not fit ``policy``.
 
@@ -185,7 +202,13 @@ def check_state(
     params: the restored params.
     policy: the policy the run trains with.
     master_dtype: as passed to :func:`mixed_precision`; ``None`` if masters
-      are disabled.
+      are disabled, as they are around :func:`mpx.with_kahan_summation` and
+      :func:`mpx.with_stochastic_rounding`, whose buffers or keys are then
+      checked instead.
+    state_dtype: the dtype the run keeps its optimizer moments in (the one
+      passed to :func:`mpx.with_state_dtype`; ``jnp.float32`` for optax's
+      own moments under masters or compensation), or ``None`` to leave the
+      moments unchecked.
 
   Returns:
     ``None`` when the state fits the policy.
@@ -193,7 +216,9 @@ def check_state(
   Raises:
     StateError: a floating param narrower than the policy's param dtype;
       half-precision params in the policy but none in ``params``; masters
-      missing, superfluous or of the wrong shape or dtype.
+      missing, superfluous or of the wrong shape or dtype; compensation
+      buffers or rounding keys missing or not fitting the params, or present
+      where masters are expected; a moment not of ``state_dtype``.
   """
   policy = policy_lib.get_policy(policy)
   want = policy.param_dtype
@@ -217,14 +242,28 @@ def check_state(
       "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
       "checkpoint's policy."
     )
-  masters = master_params_lib.find_master_params(opt_state)
-  if masters is None:
+  keeper = master_params_lib.find_half_params_state(opt_state)
+  if isinstance(keeper, kahan_lib.KahanState | rounding_lib.StochasticRoundingState):
+    if master_dtype is not None:
+      raise errors.StateError(
+        f"The optimizer state keeps half params with a {type(keeper).__name__} instead of "
+        f"float32 masters, but master_dtype={dtypes_lib.parse_dtype(master_dtype)} expects "
+        "masters. Pass "
+        "master_dtype=None, as to mpx.mixed_precision around a compensated optimizer."
+      )
+    if isinstance(keeper, kahan_lib.KahanState):
+      kahan_lib.check_compensation(keeper, params)
+    else:
+      rounding_lib.check_keys(keeper, params)
+  elif keeper is None:
     if master_dtype is not None and any(dtypes_lib.is_half(leaf.dtype) for _, leaf in floating):
       raise errors.StateError(
         f"The params have {want} leaves but the optimizer state holds no master params, so "
         "the float32 masters were lost (paper section 3.1). Restore the optimizer state with "
         "jax.eval_shape(tx.init, params) as the target, where tx = mpx.mixed_precision(...)."
       )
-    return
-  expected = None if master_dtype is None else dtypes_lib.parse_dtype(master_dtype)
-  master_params_lib.check_masters(masters, params, expected)
+  else:
+    expected = None if master_dtype is None else dtypes_lib.parse_dtype(master_dtype)
+    master_params_lib.check_masters(keeper.master_params, params, expected)
+  if state_dtype is not None:
+    state_dtype_lib.check_state_dtype(opt_state, state_dtype)

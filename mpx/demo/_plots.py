@@ -117,12 +117,15 @@ def _gradient_histogram(
       linewidth=0.3,
       label=f"{label}: {100 * flushed:.1f}% flush to 0",
     )
+  tiny = _float16.SMALLEST_SUBNORMAL_LOG2
+  ax.axvspan(low, tiny - 1, color="red", alpha=0.12, label="flushed to 0 in float16 (<= 2^-25)")
   ax.axvspan(
-    low,
-    _float16.SMALLEST_SUBNORMAL_LOG2,
+    tiny - 1,
+    tiny,
     color="red",
-    alpha=0.12,
-    label="flushed to 0 in float16 (< 2^-24)",
+    alpha=0.06,
+    hatch="//",
+    label="below 2^-24 but rounded up to it (2^-25 .. 2^-24)",
   )
   ax.axvspan(
     _float16.SMALLEST_SUBNORMAL_LOG2,

@@ -8,7 +8,6 @@ without loss scaling fails on a model this small.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -107,7 +106,6 @@ def test_quick_run_values_that_hold_in_any_run(quick):
   assert all(run["warning"] is None for name, run in runs.items() if name != "float16_bare")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="needs the demo extra")
 def test_quick_run_draws_the_pngs(quick):
   report, out, _ = quick
   assert sorted(report["pngs"]) == sorted(PNGS)

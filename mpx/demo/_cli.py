@@ -45,6 +45,9 @@ QUICK = _settings.Settings(
 
 def _parser() -> argparse.ArgumentParser:
   names = "\n".join(f"  {c.name:<26}{c.shows}" for c in _configs.CONFIGS)
+  names += "\nopt-in (not run by default):\n" + "\n".join(
+    f"  {c.name:<26}{c.shows}" for c in _configs.EXTRA_CONFIGS
+  )
   parser = argparse.ArgumentParser(
     prog="python -m mpx.demo",
     description=textwrap.fill(
@@ -143,7 +146,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       f"unknown configuration(s) {', '.join(unknown) or '(none given)'}; choose from "
       f"{', '.join(_configs.BY_NAME)}"
     )
-  configs = [c for c in _configs.CONFIGS if c.name in names]
+  configs = [c for c in _configs.BY_NAME.values() if c.name in names]
   settings = _settings_from(args)
   try:
     settings.check()

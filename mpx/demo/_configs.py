@@ -28,6 +28,9 @@ class RunConfig:
     masters: whether half-precision params get float32 masters (``master_dtype``).
     layout: a few words on where params and optimizer state live.
     shows: one line on what the run demonstrates.
+    compensation: ``"kahan"`` or ``"stochastic"`` to wrap the optimizer in
+      ``mpx.with_kahan_summation`` / ``mpx.with_stochastic_rounding``
+      (bfloat16 params without masters, layout (c)); ``None`` otherwise.
   """
 
   name: str
@@ -36,6 +39,7 @@ class RunConfig:
   masters: bool
   layout: str
   shows: str
+  compensation: str | None = None
 
   @property
   def compute_dtype(self) -> str:
@@ -108,6 +112,32 @@ CONFIGS = (
     "the paper's failure: float16 everywhere, no masters, no loss scaling",
   ),
 )
-"""Every configuration, in the order the table lists them."""
+"""The configurations a default run compares, in the order the table lists them."""
 
-BY_NAME = {config.name: config for config in CONFIGS}
+BF16_PARAMS = "params=bfloat16,compute=bfloat16,output=float32"
+"""Layout (c): bfloat16 params and compute without float32 masters."""
+
+EXTRA_CONFIGS = tuple(
+  RunConfig(
+    f"bfloat16_{name}",
+    BF16_PARAMS,
+    None,
+    False,
+    f"bf16 params, {layout}",
+    shows,
+    compensation,
+  )
+  for name, compensation, layout, shows in (
+    ("nearest", None, "no masters", "bfloat16 weights without masters: small updates round away"),
+    ("kahan", "kahan", "Kahan buffer", "layout (c): a bfloat16 compensation buffer, no masters"),
+    (
+      "stochastic",
+      "stochastic",
+      "stochastic rounding",
+      "layout (c): unbiased stochastic rounding, no masters",
+    ),
+  )
+)
+"""Opt-in configurations (``--configs``): bfloat16 params without float32 masters."""
+
+BY_NAME = {config.name: config for config in (*CONFIGS, *EXTRA_CONFIGS)}

@@ -143,6 +143,10 @@ def make_optimizer(config: RunConfig, settings: Settings) -> optax.GradientTrans
     optax.scale(float(settings.mirrored_devices)),
     optax.adamw(schedule),
   )
+  if config.compensation == "kahan":
+    inner = mpx.with_kahan_summation(inner)
+  elif config.compensation == "stochastic":
+    inner = mpx.with_stochastic_rounding(inner, key=jax.random.key(settings.seed))
   return mpx.mixed_precision(
     inner,
     config.policy,

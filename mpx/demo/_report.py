@@ -73,6 +73,7 @@ def summarize(
         "layout": r.config.layout,
         "loss_scaling": "dynamic" if r.config.scaled else "none",
         "float32_masters": r.config.masters and r.config.half_params,
+        "compensation": r.config.compensation,
         "shows": r.config.shows,
         "steps_run": len(r.train_losses),
         "train_loss": _finite_or_none(_train_loss(r, window)),
@@ -258,6 +259,17 @@ def explain(rows: list[dict[str, Any]], *, unigram: float, sample: GradientSampl
         f"{head}, {r['skipped_steps']} skipped steps: at its final scale "
         f"{_scale(r['final_loss_scale'])}, {_percent(r['flushed_fraction_final_scale'])} of the "
         f"gradients flush, against {_percent(r['flushed_fraction_scale_1'])} at scale 1.{memory}"
+      )
+    elif r["compute_dtype"] != "float16" and r["policy"].startswith("params=bfloat16"):
+      how = {
+        None: "every update is rounded to the nearest bfloat16 weight, so updates below half an "
+        "ulp of a weight are lost",
+        "kahan": "a bfloat16 Kahan buffer carries each step's rounding error into the next",
+        "stochastic": "each weight is rounded up or down at random, unbiased in expectation",
+      }[r["compensation"]]
+      lines.append(
+        f"{head} with bfloat16 params and no float32 masters: {how}; params and optimizer state "
+        f"take {r['bytes_per_param']:.2f} bytes per param."
       )
     elif r["compute_dtype"] != "float16":
       lines.append(f"{head} without loss scaling: bfloat16 has float32's exponent range.")

@@ -45,7 +45,7 @@ class LossScaleState(NamedTuple):
 
   @property
   def last_step_skipped(self) -> jax.Array:
-    """Bool scalar: whether the last ``update`` skipped its step (``consecutive_skips > 0``).
+    """Whether the last ``update`` skipped its step (``consecutive_skips > 0``), a bool scalar.
 
     Example:
       >>> import jax.numpy as jnp, optax, mpx

@@ -154,7 +154,7 @@ def mixed_precision(
 
   Warns:
     PrecisionWarning: at ``init``, when a param is narrower than the policy's
-    param dtype, or when half-precision params meet ``master_dtype=None``.
+      param dtype, or when half-precision params meet ``master_dtype=None``.
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx

@@ -50,6 +50,7 @@ from mpx._src.range_report import recommend_scale as recommend_scale
 from mpx._src.scaled_loss import check_loss_scale as check_loss_scale
 from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
 from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
+from mpx._src.scaled_loss import nonfinite_gradient_paths as nonfinite_gradient_paths
 from mpx._src.scaled_loss import scale as scale
 from mpx._src.scaled_loss import unscale as unscale
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
@@ -99,6 +100,7 @@ __all__ = (
   "mixed_precision",
   "nnx",
   "no_loss_scale",
+  "nonfinite_gradient_paths",
   "range_report",
   "recommend_scale",
   "scale",

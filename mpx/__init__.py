@@ -11,6 +11,7 @@ imported on first use: ``import mpx`` does not import Flax.
 import importlib as _importlib
 import typing as _typing
 
+from mpx._src.activations import ActivationStats as ActivationStats
 from mpx._src.audit import AuditReport as AuditReport
 from mpx._src.audit import MatmulOp as MatmulOp
 from mpx._src.audit import audit as audit
@@ -24,12 +25,15 @@ from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
 from mpx._src.finite_check import all_finite as all_finite
+from mpx._src.histogram import MagnitudeHistogram as MagnitudeHistogram
+from mpx._src.histogram import magnitude_histogram as magnitude_histogram
 from mpx._src.kahan import KahanState as KahanState
 from mpx._src.kahan import with_kahan_summation as with_kahan_summation
 from mpx._src.keep import KeepRules as KeepRules
 from mpx._src.kernels import accumulate_in_float32 as accumulate_in_float32
 from mpx._src.kernels import dot_product_attention as dot_product_attention
 from mpx._src.kernels import softmax as softmax
+from mpx._src.locate import NonfiniteReport as NonfiniteReport
 from mpx._src.loss_scaling import LossScaleState as LossScaleState
 from mpx._src.loss_scaling import dynamic_loss_scale as dynamic_loss_scale
 from mpx._src.loss_scaling import no_loss_scale as no_loss_scale
@@ -41,9 +45,14 @@ from mpx._src.mixed_precision import check_state as check_state
 from mpx._src.mixed_precision import mixed_precision as mixed_precision
 from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
+from mpx._src.range_report import RangeReport as RangeReport
+from mpx._src.range_report import ScaleRecommendation as ScaleRecommendation
+from mpx._src.range_report import range_report as range_report
+from mpx._src.range_report import recommend_scale as recommend_scale
 from mpx._src.scaled_loss import check_loss_scale as check_loss_scale
 from mpx._src.scaled_loss import get_loss_scale as get_loss_scale
 from mpx._src.scaled_loss import loss_scale_metrics as loss_scale_metrics
+from mpx._src.scaled_loss import nonfinite_gradient_paths as nonfinite_gradient_paths
 from mpx._src.scaled_loss import scale as scale
 from mpx._src.scaled_loss import unscale as unscale
 from mpx._src.scaled_loss import value_and_grad as value_and_grad
@@ -60,6 +69,7 @@ __version__ = "0.1.0"
 _LAZY_SUBMODULES = ("linen", "nnx")
 
 __all__ = (
+  "ActivationStats",
   "AuditReport",
   "ConfigError",
   "KahanState",
@@ -67,12 +77,16 @@ __all__ = (
   "LeafTypeError",
   "LossScaleDivergedError",
   "LossScaleState",
+  "MagnitudeHistogram",
   "MasterParamsState",
   "MatmulOp",
   "MpxError",
+  "NonfiniteReport",
   "Policy",
   "PolicyError",
   "PrecisionWarning",
+  "RangeReport",
+  "ScaleRecommendation",
   "StateError",
   "StochasticRoundingState",
   "TreeStructureError",
@@ -89,9 +103,13 @@ __all__ = (
   "get_policy",
   "linen",
   "loss_scale_metrics",
+  "magnitude_histogram",
   "mixed_precision",
   "nnx",
   "no_loss_scale",
+  "nonfinite_gradient_paths",
+  "range_report",
+  "recommend_scale",
   "scale",
   "softmax",
   "static_loss_scale",

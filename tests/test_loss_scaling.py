@@ -268,6 +268,7 @@ def test_state_is_stable_under_cond(tx):
   )
   assert state.loss_scale.dtype == F32 and state.diverged.dtype == jnp.bool_
   assert state.skipped_steps.dtype == jnp.int32 and state.growth_tracker.dtype == jnp.int32
+  assert state.skip_history.dtype == jnp.uint32 and state.nonfinite_bucket.dtype == jnp.int32
 
 
 def _stepped_state():
@@ -279,6 +280,9 @@ def _stepped_state():
   for bad in [None, NAN, NAN, NAN, NAN, None]:
     _, state = tx.update(_grads(2.0**10, bad=bad), state, params)
   assert bool(state.diverged) and int(state.consecutive_skips) == 0
+  # The attribution fields differ from their initial values, so a round trip that
+  # dropped them would be seen.
+  assert int(state.skip_history) == 0b11110 and int(state.nonfinite_bucket) == 0
   return state
 
 
@@ -374,6 +378,8 @@ def test_dynamic_divergence_only_at_the_floor():
     "last_step_skipped",
     "growth_tracker",
     "diverged",
+    "overflow_rate",
+    "nonfinite_bucket",
   }
   bad = {"w": jnp.array([jnp.inf, 1.0])}
   _, state = tx.update(bad, state, params)  # 4 -> 2, not diverged
@@ -772,3 +778,107 @@ def test_last_step_skipped_is_read_from_the_state_and_the_metrics():
     seen.append(bool(state.last_step_skipped))
   assert seen == [False, True, True, False]
   assert "last_step_skipped" not in mpx.LossScaleState._fields  # derived, not stored
+
+
+# ---------------------------------------------------------------- overflow attribution
+
+
+def _attribution_params():
+  # Two leaves above 2**16 elements (a bucket each), three small ones (one shared bucket).
+  return {
+    "a_big": jnp.zeros(70_000),
+    "b_small": jnp.zeros(3),
+    "c_big": jnp.zeros((300, 300), F16),
+    "d_small": jnp.zeros((2, 2), BF16),
+    "e_small": jnp.zeros(5),
+  }
+
+
+def _attribution_grads(*bad):
+  grads = jax.tree.map(lambda p: jnp.ones(p.shape, p.dtype), _attribution_params())
+  for name in bad:
+    grads[name] = grads[name].reshape(-1).at[1].set(jnp.inf).reshape(grads[name].shape)
+  return grads
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+@pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
+def test_the_first_non_finite_bucket_is_recorded_and_named(use_jit):
+  params = _attribution_params()
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
+  step = _maybe_jit(tx.update, use_jit)
+  state = tx.init(params)
+  assert int(state.nonfinite_bucket) == -1 and mpx.nonfinite_gradient_paths(state, params) == []
+  cases = [
+    (("c_big",), 1, ["c_big"]),
+    (("e_small",), 2, ["b_small", "d_small", "e_small"]),
+    (("c_big", "a_big"), 0, ["a_big"]),  # the first bucket in the check's order
+    (("d_small", "c_big"), 1, ["c_big"]),  # large leaves come before the shared bucket
+  ]
+  for bad, bucket, paths in cases:
+    _, state = step(_attribution_grads(*bad), state, params)
+    assert int(state.nonfinite_bucket) == bucket
+    assert int(mpx.loss_scale_metrics(state)["nonfinite_bucket"]) == bucket
+    assert mpx.nonfinite_gradient_paths(state, params) == paths
+    _, state = step(_attribution_grads(), state, params)  # a finite step keeps the record
+    assert int(state.nonfinite_bucket) == bucket
+  assert int(state.skipped_steps) == len(cases)
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+def test_a_finite_gradient_that_overflows_only_when_unscaled_is_attributed():
+  params = {"a": jnp.zeros(70_000), "b": jnp.zeros(3)}
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), preset="flax", initial_scale=2.0**-10)
+  grads = {"a": jnp.ones(70_000), "b": jnp.array([1.0, 1.0e36, 1.0])}
+  _, state = tx.update(grads, tx.init(params), params)
+  assert int(state.skipped_steps) == 1
+  assert mpx.nonfinite_gradient_paths(state, params) == ["b"]
+
+
+def test_nonfinite_gradient_paths_rejects_params_of_another_model():
+  params = _attribution_params()
+  tx = mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0)))
+  _, state = tx.update(_attribution_grads("e_small"), tx.init(params), params)
+  with pytest.raises(mpx.StateError, match="bucket 2, but these params give only 1"):
+    mpx.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
+
+
+def test_skip_history_and_overflow_rate_cover_the_last_32_steps():
+  params = {"w": jnp.ones(2)}
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0**20, min_scale=1.0)
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  pattern = [True, False, False, True, True] + [False] * 31 + [True]  # True: a skipped step
+  history = 0
+  for i, skip in enumerate(pattern):
+    grads = {"w": jnp.array([jnp.nan if skip else 1.0, 1.0])}
+    _, state = step(grads, state, params)
+    history = ((history << 1) | int(skip)) & 0xFFFFFFFF
+    assert int(state.skip_history) == history, i
+    window = pattern[max(0, i - 31) : i + 1]
+    rate = mpx.loss_scale_metrics(state)["overflow_rate"]
+    assert rate.dtype == F32 and float(rate) == sum(window) / 32, i
+  # The first three skips have left the window; only the last one is still in it.
+  assert (
+    int(state.skip_history) == 1 and float(mpx.loss_scale_metrics(state)["overflow_rate"]) == 1 / 32
+  )
+
+
+def test_no_loss_scale_records_no_history():
+  tx = mpx.no_loss_scale(optax.sgd(1.0))
+  params = {"w": jnp.ones(2)}
+  _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
+  assert int(state.skip_history) == 0 and int(state.nonfinite_bucket) == -1
+
+
+def test_axis_name_makes_the_attribution_global():
+  params = {"a": jnp.zeros(70_000), "b": jnp.zeros(3)}
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0, axis_name="devices")
+  state = tx.init(params)
+  grads = {"a": jnp.ones((3, 70_000)), "b": jnp.ones((3, 3))}
+  grads["b"] = grads["b"].at[0, 1].set(jnp.nan)  # member 0: the shared bucket (1)
+  grads["a"] = grads["a"].at[2, 5].set(jnp.inf)  # member 2: the large leaf's bucket (0)
+  update = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="devices")
+  _, new = update(grads, state, params)
+  np.testing.assert_array_equal(new.nonfinite_bucket, [0, 0, 0])
+  np.testing.assert_array_equal(new.skip_history, [1, 1, 1])

@@ -32,6 +32,12 @@ class LossScaleState(NamedTuple):
       (saturating).
     diverged: bool scalar, set (and kept) once gradients overflowed while the
       scale was already at its floor; see :func:`mpx.check_loss_scale`.
+    skip_history: uint32 scalar, the last 32 steps as bits: bit ``i`` is set
+      when the step ``i`` updates ago was skipped (bit 0: the last one).
+    nonfinite_bucket: int32 scalar, in the last skipped step, the first bucket
+      of gradient leaves whose running L1 norm was not finite (an index into
+      the finite check's buckets); ``-1`` before any skip. Kept until the next
+      skip; :func:`mpx.nonfinite_gradient_paths` names its leaves.
     inner_state: the state of the wrapped transformation.
   """
 
@@ -41,6 +47,8 @@ class LossScaleState(NamedTuple):
   skipped_steps: jax.Array
   consecutive_skips: jax.Array
   diverged: jax.Array
+  skip_history: jax.Array
+  nonfinite_bucket: jax.Array
   inner_state: optax.OptState
 
   @property
@@ -140,6 +148,8 @@ def _loss_scaling(
       skipped_steps=jnp.zeros((), jnp.int32),
       consecutive_skips=jnp.zeros((), jnp.int32),
       diverged=jnp.zeros((), jnp.bool_),
+      skip_history=jnp.zeros((), jnp.uint32),
+      nonfinite_bucket=jnp.full((), -1, jnp.int32),
       inner_state=inner_state,
     )
 
@@ -155,9 +165,7 @@ def _loss_scaling(
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
 
-    ok = finite_check.finite_after_unscale(updates, state.loss_scale)
-    if axis_name is not None:
-      ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+    ok, bucket = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
     grads = multiply(updates, 1 / state.loss_scale)
     new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     # p + (-0.0) is p bitwise for every p, -0.0 included; p + 0.0 is not.
@@ -179,6 +187,8 @@ def _loss_scaling(
         ok, jnp.zeros_like(state.consecutive_skips), optax.safe_increment(state.consecutive_skips)
       ),
       diverged=state.diverged | (skipped & at_floor),
+      skip_history=(state.skip_history << jnp.uint32(1)) | skipped.astype(jnp.uint32),
+      nonfinite_bucket=jnp.where(ok, state.nonfinite_bucket, bucket),
       inner_state=inner_state,
     )
 
@@ -213,7 +223,11 @@ def dynamic_loss_scale(
      otherwise returns updates of ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise,
      ``-0.0`` included) and leaves the inner state bitwise untouched (moments,
      ``count``: a learning-rate schedule does not advance);
-  4. adjusts the scale by the rule below and counts skipped steps.
+  4. adjusts the scale by the rule below, counts skipped steps, and records
+     which bucket of gradient leaves broke a skipped step
+     (``nonfinite_bucket``, for :func:`mpx.nonfinite_gradient_paths`) and
+     the last 32 steps' skips (``skip_history``, for the overflow rate of
+     :func:`mpx.loss_scale_metrics`).
 
   ``inner`` therefore receives float32 gradients, as the paper recommends: with
   float16 params it should keep float32 state (float32 master weights, see

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import dtypes, errors, loss_scaling
+from mpx._src import dtypes, errors, finite_check, loss_scaling
 from mpx._src import tree as tree_lib
 from mpx._src.loss_scaling import LossScaleState
 
@@ -81,11 +81,27 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
 
   Returns:
     A dict with keys ``loss_scale``, ``skipped_steps``, ``consecutive_skips``,
-    ``last_step_skipped`` (bool: whether the last ``update`` skipped its step),
-    ``growth_tracker`` and ``diverged``.
+    ``last_step_skipped`` (bool: whether the last ``update`` skipped its
+    step), ``growth_tracker``, ``diverged``, ``overflow_rate`` (float32: the
+    fraction of the last 32 steps that were skipped, read from
+    ``skip_history``; steps before the first count as finite) and
+    ``nonfinite_bucket`` (int32: the bucket of gradient leaves that broke the
+    last skipped step, ``-1`` before any; name its leaves with
+    :func:`mpx.nonfinite_gradient_paths`).
 
   Raises:
     StateError: if ``opt_state`` holds no loss-scale state, or several.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> for g in ([1.0, 2.0], [jnp.inf, 1.0], [1.0, 1.0], [1.0, jnp.nan]):
+    ...   _, state = tx.update({"w": jnp.array(g)}, state, params)
+    >>> metrics = mpx.loss_scale_metrics(state)
+    >>> metrics["overflow_rate"], metrics["nonfinite_bucket"]  # 2 of the last 32 steps
+    (Array(0.0625, dtype=float32), Array(0, dtype=int32))
   """
   s = find_loss_scale_state(opt_state)
   return {
@@ -95,7 +111,56 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     "last_step_skipped": s.last_step_skipped,
     "growth_tracker": s.growth_tracker,
     "diverged": s.diverged,
+    "overflow_rate": jax.lax.population_count(s.skip_history).astype(jnp.float32) / 32,
+    "nonfinite_bucket": s.nonfinite_bucket,
   }
+
+
+def nonfinite_gradient_paths(opt_state: Any, params: Any) -> list[str]:
+  """Names the gradient leaves of the bucket that broke the last skipped step (host side).
+
+  The loss-scaling check reduces the gradients in buckets: every leaf larger
+  than 2**16 elements alone, all smaller ones together (see
+  :func:`mpx.dynamic_loss_scale`). The state records, at each skipped step,
+  the first bucket whose running L1 norm was not finite; this function turns
+  that index into leaf paths, from the params' structure and shapes (the
+  gradients have the same). A one-leaf bucket names the culprit; the shared
+  bucket narrows it down to the small leaves (biases, norm scales...).
+
+  Args:
+    opt_state: an optax state that contains one :class:`LossScaleState` (the
+      bucket index is read to the host).
+    params: the params the gradients were taken of, or any tree with the
+      gradients' structure, shapes and dtypes.
+
+  Returns:
+    The ``/``-joined paths of the bucket's leaves, in tree order; empty when
+    no step has been skipped.
+
+  Raises:
+    StateError: if ``opt_state`` holds no loss-scale state, or several, or the
+      bucket index does not fit ``params`` (params of another model).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> params = {"big": jnp.ones(70_000), "bias": jnp.ones(3), "scale": jnp.ones(3)}
+    >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
+    >>> grads = {"big": jnp.full(70_000, jnp.inf), "bias": jnp.ones(3), "scale": jnp.ones(3)}
+    >>> _, state = tx.update(grads, tx.init(params), params)
+    >>> mpx.nonfinite_gradient_paths(state, params)
+    ['big']
+  """
+  index = int(jax.device_get(find_loss_scale_state(opt_state).nonfinite_bucket))
+  if index < 0:
+    return []
+  plan = finite_check.buckets(params)
+  if index >= len(plan):
+    raise errors.StateError(
+      f"The loss-scale state records bucket {index}, but these params give only {len(plan)} "
+      "buckets. Pass the params the gradients of the skipped step were taken of."
+    )
+  paths = [tree_lib.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  return [paths[i] for i in plan[index]]
 
 
 def check_loss_scale(opt_state: Any) -> None:

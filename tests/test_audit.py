@@ -265,7 +265,9 @@ def test_str_is_a_table_with_a_summary():
       "#", "kind", "pass", "module", "lhs", "rhs", "result", "MFLOP", "share", "flags"
   ]  # fmt: skip
   assert "bfloat16[16,32]" in lines[2] and "100.0%" in lines[2]
-  assert lines[-1].startswith("policy params=float32,compute=bfloat16,output=float32; 1 ops")
+  assert lines[-2].startswith("policy params=float32,compute=bfloat16,output=float32; 1 ops")
+  assert lines[-1].startswith("reductions: 0 float16 sums, 0 float16 exps, 0 bfloat16 sums; ")
+  assert "estimated matmul time on H100 SXM" in lines[-1]
 
 
 def test_audit_module_imports_neither_flax_nor_optax():
@@ -279,3 +281,114 @@ def test_audit_module_imports_neither_flax_nor_optax():
 
   assert imported <= {"__future__", "collections", "dataclasses", "jax", "math", "mpx", "numpy",
                       "re", "typing"}  # fmt: skip
+
+
+# ---------------------------------------------------------------------------
+# Flags for slow or imprecise baselines.
+# ---------------------------------------------------------------------------
+
+
+def test_float32_at_default_precision_is_flagged_tf32():
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+
+  default = mpx.audit(_matmul, x, w)
+  with jax.default_matmul_precision("highest"):
+    highest = mpx.audit(_matmul, x, w)
+  explicit = mpx.audit(lambda x, w: jnp.matmul(x, w, precision="highest"), x, w)
+  half = mpx.audit(_matmul, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16))
+
+  (op,) = default.ops
+  assert op.precision in ((), ("DEFAULT", "DEFAULT"))
+  assert op.float32_at_default_precision and op.operand_class == "tf32"
+  assert default.tf32_ops == default.ops and "tf32" in default.flags(op)
+  assert default.default_matmul_precision is None
+  assert highest.ops[0].precision == ("HIGHEST", "HIGHEST")
+  assert highest.default_matmul_precision == "highest"
+  for report in (highest, explicit):
+    assert not report.tf32_ops and report.ops[0].operand_class == "float32"
+    assert "tf32" not in report.flags(report.ops[0])
+  assert not half.tf32_ops and half.ops[0].operand_class == "half"
+  assert "0 at default precision" in half.summary() and "1 at default" in default.summary()
+
+
+def test_half_operands_upcast_for_a_float32_cotangent_are_flagged():
+  def loss(x, w):
+    y = jnp.matmul(x, w, preferred_element_type=jnp.float32)
+    return jnp.sum(y * y)
+
+  x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 8), jnp.bfloat16)
+  report = mpx.audit(jax.grad(loss, argnums=(0, 1)), x, w, policy="mixed_bfloat16")
+
+  assert report.filter(backward=False).ops[0].upcast == ()
+  backward = report.filter(backward=True).ops
+  assert len(backward) == 2 and all(op.upcast for op in backward)
+  assert report.upcast_ops == backward
+  assert all(any(f.startswith("upcast:") for f in report.flags(op)) for op in backward)
+  clean = mpx.audit(jax.grad(lambda x, w: jnp.sum(x @ w).astype(jnp.float32)), x, w)
+  assert not clean.upcast_ops
+
+
+def test_float32_params_promoting_half_inputs_are_flagged_upcast():
+  with jax.numpy_dtype_promotion("standard"):
+    grad, params = _mlp_grad(_Mlp(dtype=None), jnp.ones((16, 24), jnp.bfloat16))
+    report = mpx.audit(grad, params)
+
+  first = report.filter("up$", backward=False).ops[0]
+  assert first.upcast == ("lhs",)  # the bfloat16 input, converted to meet the float32 kernel
+
+
+def test_float16_softmax_exp_is_listed():
+  x = jnp.ones((8, 16), jnp.float16)
+  report = mpx.audit(jax.nn.softmax, x)
+
+  # jnp sums upcast float16 to float32 themselves; the exp does not. The max is exact.
+  assert [(r.kind, r.dtype.name, r.terms) for r in report.reductions] == [("exp", "float16", 1)]
+  assert report.float16_reductions == report.reductions
+  assert "0 float16 sums, 1 float16 exps" in report.summary()
+  assert not mpx.audit(mpx.softmax, x).reductions  # exp in float32
+  assert not mpx.audit(jax.nn.softmax, x.astype(jnp.bfloat16)).reductions  # float32's range
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_bias_gradient_is_a_listed_backward_sum(dtype):
+  def loss(b, x):
+    return jnp.sum(jnp.sin(x + b).astype(jnp.float32))
+
+  report = mpx.audit(jax.grad(loss), jnp.ones(16, dtype), jnp.ones((8, 16), dtype))
+
+  (sum_op,) = report.reductions  # the transpose of the broadcast: a sum over the 8 rows
+  assert (sum_op.kind, sum_op.dtype, sum_op.terms) == ("sum", np.dtype(dtype), 8)
+  assert sum_op.is_backward and sum_op.shape == (8, 16)
+  assert len(report.float16_reductions) == (dtype == jnp.float16)
+
+
+def test_float16_average_pool_is_a_listed_window_sum():
+  def sum_pool(x):
+    zero = jnp.zeros((), x.dtype)
+    return jax.lax.reduce_window(x, zero, jax.lax.add, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+  pool = mpx.audit(sum_pool, jnp.ones((1, 8, 8, 4), jnp.float16))
+
+  (sum_op,) = pool.reductions
+  assert (sum_op.kind, sum_op.terms) == ("sum", 4)
+
+
+def test_matmul_time_estimate_per_operand_class():
+  x, w = jnp.ones((64, 128)), jnp.ones((128, 32))
+
+  def f(x, w):
+    highest = jnp.matmul(x, w, precision="highest")
+    return highest + (x.astype(jnp.bfloat16) @ w.astype(jnp.bfloat16)).astype(jnp.float32) + x @ w
+
+  report = mpx.audit(f, x, w)
+  flops = 2 * 64 * 128 * 32
+  seconds = report.estimate_matmul_seconds("H100 SXM")
+
+  assert seconds["float32"] == pytest.approx(flops / 66.9e12)
+  assert seconds["half"] == pytest.approx(flops / 989e12)
+  assert seconds["tf32"] == pytest.approx(flops / 494.7e12)
+  assert seconds["total"] == pytest.approx(sum(seconds[k] for k in ("float32", "half", "tf32")))
+  assert report.estimate_matmul_seconds("NVIDIA H100 80GB HBM3") == seconds
+  assert report.estimate_matmul_seconds("A100")["half"] == pytest.approx(flops / 312e12)
+  with pytest.raises(mpx.ConfigError, match="H100 SXM"):
+    report.estimate_matmul_seconds("TPU v5e")

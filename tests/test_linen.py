@@ -81,19 +81,21 @@ class ConvNet(nn.Module):
     return nn.Dense(10)(y.mean(axis=(1, 2)))
 
 
+def _eqns(jaxpr):
+  """Every equation of ``jaxpr`` and of its sub-jaxprs (jits, custom VJPs), in order."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jex.jaxprs_in_params(eqn.params):
+      yield from _eqns(sub)
+
+
 def _dots(fn, *args):
-  """(operand dtypes, path) of every dot_general/conv in fn's jaxpr, recursively."""
-  found = []
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name in ("dot_general", "conv_general_dilated"):
-        found.append(tuple(str(v.aval.dtype) for v in eqn.invars))
-      for sub in jex.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(fn)(*args).jaxpr)
-  return found
+  """Operand dtypes of every dot_general/conv in fn's jaxpr, recursively."""
+  return [
+    tuple(str(v.aval.dtype) for v in eqn.invars)
+    for eqn in _eqns(jax.make_jaxpr(fn)(*args).jaxpr)
+    if eqn.primitive.name in ("dot_general", "conv_general_dilated")
+  ]
 
 
 def _dtypes(tree):
@@ -190,8 +192,8 @@ def test_norms_compute_in_float32_and_hand_back_half():
   model = mpx.linen.apply_policy(Decoder(), "mixed_float16")
   ids = jnp.zeros((1, 4), jnp.int32)
   variables = model.init(jax.random.key(0), ids)
-  jaxpr = jax.make_jaxpr(lambda v: model.apply(v, ids))(variables)
-  rsqrt = [e for e in jaxpr.eqns if e.primitive.name == "rsqrt"]
+  jaxpr = jax.make_jaxpr(lambda v: model.apply(v, ids))(variables).jaxpr
+  rsqrt = [e for e in _eqns(jaxpr) if e.primitive.name == "rsqrt"]
   assert len(rsqrt) == 3 and all(e.outvars[0].aval.dtype == jnp.float32 for e in rsqrt)
   _, inter = model.apply(variables, ids, capture_intermediates=True, mutable=["intermediates"])
   assert inter["intermediates"]["LayerNorm_0"]["__call__"][0].dtype == jnp.float16

@@ -1,4 +1,4 @@
-"""A matmul and convolution dtype audit of a lowered JAX program (paper section 3.3)."""
+"""A dtype audit of a lowered JAX program's matmuls, convolutions and reductions (paper section 3.3)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from mpx._src import device_peaks, errors, stablehlo
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import policy as policy_lib
-from mpx._src import stablehlo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +28,16 @@ class MatmulOp:
       ``preferred_element_type=float32`` was requested.
     accumulation_dtype: the accumulation type when the op pins a dot algorithm,
       else ``None`` (the backend's default: float32 for half operands on GPUs).
+    precision: the op's ``precision_config`` per operand, e.g.
+      ``("DEFAULT", "DEFAULT")`` (what ``jax.default_matmul_precision`` or a
+      ``precision=`` argument asked for when the program was lowered); ``()``
+      when the op has none (the default).
+    algorithm_precision: the operand precision type of a pinned dot algorithm
+      (``"tf32"``, ``"f32"``, ``"bf16"``...), else ``None``.
+    upcast: which operands (``"lhs"``, ``"rhs"``) are a half-precision tensor
+      converted to a wider float just before the op: half data multiplied as
+      float32, typically a float32 cotangent meeting a half activation in the
+      backward pass, or float32 params promoting half inputs.
     lhs_shape: shape of the left operand.
     rhs_shape: shape of the right operand.
     result_shape: shape of the result.
@@ -51,6 +61,9 @@ class MatmulOp:
   rhs_dtype: np.dtype
   result_dtype: np.dtype
   accumulation_dtype: np.dtype | None
+  precision: tuple[str, ...]
+  algorithm_precision: str | None
+  upcast: tuple[str, ...]
   lhs_shape: tuple[int, ...]
   rhs_shape: tuple[int, ...]
   result_shape: tuple[int, ...]
@@ -75,6 +88,78 @@ class MatmulOp:
       dtypes_lib.is_floating(d) and d.itemsize >= 4 for d in (self.lhs_dtype, self.rhs_dtype)
     )
 
+  @property
+  def float32_at_default_precision(self) -> bool:
+    """Whether float32 operands are multiplied at ``DEFAULT`` or ``HIGH`` precision.
+
+    On Ampere and later NVIDIA GPUs cuBLAS then runs TF32 Tensor Cores (a
+    10-bit mantissa: not the float32 the program seems to ask for), and on
+    TPUs bfloat16 passes; only ``precision=HIGHEST`` (or
+    ``jax.default_matmul_precision("highest")``) or a float32 dot algorithm
+    multiplies in float32.
+    """
+    float32 = np.dtype(np.float32)
+    if float32 not in (self.lhs_dtype, self.rhs_dtype) or self.is_half:
+      return False
+    if self.algorithm_precision is not None:
+      return self.algorithm_precision == "tf32"
+    return all(p in ("DEFAULT", "HIGH") for p in self.precision)
+
+  @property
+  def operand_class(self) -> str:
+    """The Tensor Core class the op runs on: ``"half"``, ``"tf32"``, ``"float32"``, ``"float64"``, ``"fp8"``.
+
+    ``"tf32"`` is :attr:`float32_at_default_precision`; ``"other"`` for
+    integer products.
+    """
+    dtypes = (self.lhs_dtype, self.rhs_dtype)
+    if any(d.itemsize >= 8 and dtypes_lib.is_floating(d) for d in dtypes):
+      return "float64"
+    if self.float32_at_default_precision:
+      return "tf32"
+    if self.is_float32_or_wider:
+      return "float32"
+    if all(dtypes_lib.is_floating(d) and d.itemsize == 1 for d in dtypes):
+      return "fp8"
+    return "half" if self.is_half else "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class ReductionOp:
+  """A sum in half precision, or an exp in float16, of the audited program.
+
+  The paper (section 3) keeps reductions out of half precision: a float16
+  sum of many terms loses the small ones and overflows above 65504, an exp in
+  float16 overflows for inputs above 11 (softmax, cross entropy). bfloat16
+  sums are listed too (they lose precision, not range); exps only in float16.
+  XLA may accumulate a half sum in float32 anyway (its excess-precision
+  default), so this is what the program asks for, not a measurement.
+
+  Attributes:
+    kind: ``"sum"`` (a ``reduce`` or ``reduce_window`` with an add) or ``"exp"``.
+    dtype: the element type.
+    shape: the shape of the reduced (or exponentiated) operand.
+    terms: how many elements each output sums (1 for an exp).
+    module_path: the issuing module, as for :class:`MatmulOp`.
+    name: the raw JAX name stack.
+    is_backward: whether the op belongs to the backward pass.
+    count: static call sites executing the op.
+  """
+
+  kind: str
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  terms: int
+  module_path: str
+  name: str
+  is_backward: bool
+  count: int
+
+  @property
+  def is_float16(self) -> bool:
+    """Whether the op runs in float16 (the reductions the paper warns about)."""
+    return self.dtype == np.dtype("float16")
+
 
 @dataclasses.dataclass(frozen=True)
 class AuditReport:
@@ -85,11 +170,17 @@ class AuditReport:
     policy: the policy the program was meant to follow, if one was given.
     program_flops: the FLOPs of the whole program (``share`` is relative to it,
       also in a filtered report).
+    reductions: the half-precision sums and float16 exps, in program order.
+    default_matmul_precision: ``jax.default_matmul_precision`` when the audit
+      ran (``None``: JAX's default); the ops' own ``precision`` fields say
+      what was in effect when the program was lowered.
   """
 
   ops: tuple[MatmulOp, ...]
   policy: policy_lib.Policy | None = None
   program_flops: int = 0
+  reductions: tuple[ReductionOp, ...] = ()
+  default_matmul_precision: str | None = None
 
   @property
   def total_flops(self) -> int:
@@ -122,6 +213,55 @@ class AuditReport:
   def backward_ops(self) -> tuple[MatmulOp, ...]:
     """The ops of the backward pass."""
     return tuple(op for op in self.ops if op.is_backward)
+
+  @property
+  def tf32_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops with float32 operands at default precision (TF32 on GPUs)."""
+    return tuple(op for op in self.ops if op.float32_at_default_precision)
+
+  @property
+  def upcast_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops with a half-precision operand converted to a wider float just before them."""
+    return tuple(op for op in self.ops if op.upcast)
+
+  @property
+  def float16_reductions(self) -> tuple[ReductionOp, ...]:
+    """The sums and exps done in float16."""
+    return tuple(r for r in self.reductions if r.is_float16)
+
+  def estimate_matmul_seconds(self, device: str = "H100 SXM") -> dict[str, float]:
+    """Estimates the time of this report's matmuls per operand class, from FLOPs and peaks.
+
+    An estimate, not a measurement: FLOPs divided by the device's dense peak
+    for each :attr:`MatmulOp.operand_class` (``mpx._src.device_peaks``), a
+    lower bound that real kernels do not reach; it shows how much of the
+    step's matmul time a class (TF32 or true float32 in a "half-precision"
+    model) costs.
+
+    Args:
+      device: a device of the peak table (``"H100 SXM"``, ``"H100 PCIe"``,
+        ``"H200"``, ``"A100"``, ``"L40S"``, ``"L4"``) or a
+        ``jax.Device.device_kind`` naming one.
+
+    Returns:
+      ``{operand class: seconds}`` for the classes present, with ``"total"``.
+
+    Raises:
+      ConfigError: the device is not in the table, or has no peak for a
+        class present (e.g. float64 on an L4).
+    """
+    peaks = device_peaks.peak_tflops(device)
+    flops: dict[str, int] = {}
+    for op in self.ops:
+      flops[op.operand_class] = flops.get(op.operand_class, 0) + op.flops
+    missing = sorted(set(flops) - set(peaks))
+    if missing:
+      raise errors.ConfigError(
+        f"The peak table has no {missing} throughput for {device!r}; estimate on another "
+        f"device ({', '.join(device_peaks.PEAK_TFLOPS)})."
+      )
+    seconds = {cls: n / (peaks[cls] * 1e12) for cls, n in flops.items()}
+    return {**seconds, "total": sum(seconds.values())}
 
   def filter(self, pattern: str | None = None, *, backward: bool | None = None) -> AuditReport:
     """Returns the report restricted to some ops.
@@ -157,7 +297,14 @@ class AuditReport:
     )
 
   def flags(self, op: MatmulOp) -> tuple[str, ...]:
-    """Returns the warnings for one op: ``"f32"`` under a half policy, ``"align"``.
+    """Returns the warnings for one op.
+
+    * ``"f32"``: float32 operands under a policy with a half compute dtype;
+    * ``"tf32"``: float32 operands at default precision
+      (:attr:`MatmulOp.float32_at_default_precision`);
+    * ``"upcast:lhs"`` (``rhs``, ``lhs,rhs``): half operands converted to
+      float32 for the op (:attr:`MatmulOp.upcast`);
+    * ``"align:N=10"``: GEMM dimensions that are not multiples of 8.
 
     Args:
       op: one of ``self.ops``.
@@ -172,6 +319,10 @@ class AuditReport:
       and op.is_float32_or_wider
     ):
       flags.append("f32")
+    if op.float32_at_default_precision:
+      flags.append("tf32")
+    if op.upcast:
+      flags.append("upcast:" + ",".join(op.upcast))
     if op.misaligned:
       flags.append("align:" + ",".join(op.misaligned))
     return tuple(flags)
@@ -199,12 +350,40 @@ class AuditReport:
       for r in [header, *rows]
     ]
     lines.insert(1, "-" * len(lines[0]))
+    lines.append(self.summary())
+    return "\n".join(lines)
+
+  def summary(self, device: str | None = "H100 SXM") -> str:
+    """Returns the report's totals (the last lines of ``str(report)``).
+
+    Args:
+      device: the device of the matmul time estimate (see
+        :meth:`estimate_matmul_seconds`); ``None`` leaves it out.
+
+    Returns:
+      Two lines: the matmul totals and flags, then the half-precision
+      reductions and the time estimate.
+    """
     policy = f"policy {self.policy}; " if self.policy is not None else ""
-    lines.append(
+    sums = [r for r in self.float16_reductions if r.kind == "sum"]
+    lines = [
       f"{policy}{len(self.ops)} ops, {self.total_flops / 1e6:.3f} MFLOP, "
       f"{100 * self.half_flops_share:.1f}% of FLOPs with half-precision operands, "
-      f"{len(self.float32_ops)} with float32 operands, {len(self.misaligned_ops)} misaligned"
-    )
+      f"{len(self.float32_ops)} with float32 operands ({len(self.tf32_ops)} at default "
+      f"precision: TF32 on GPUs), {len(self.upcast_ops)} with upcast half operands, "
+      f"{len(self.misaligned_ops)} misaligned",
+      f"reductions: {len(sums)} float16 sums, "
+      f"{len(self.float16_reductions) - len(sums)} float16 exps, "
+      f"{sum(r.kind == 'sum' for r in self.reductions) - len(sums)} bfloat16 sums",
+    ]
+    if device is not None and self.ops:
+      try:
+        seconds = self.estimate_matmul_seconds(device)
+      except errors.ConfigError:
+        pass
+      else:
+        parts = ", ".join(f"{cls} {1e3 * t:.3g} ms" for cls, t in seconds.items())
+        lines[-1] += f"; estimated matmul time on {device} (FLOPs / peak, an estimate): {parts}"
     return "\n".join(lines)
 
 
@@ -215,7 +394,7 @@ def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 def audit(
   fn: Callable[..., Any] | jax.stages.Lowered, *args: Any, policy: Any = None, **kwargs: Any
 ) -> AuditReport:
-  """Lists every matmul and convolution that ``fn(*args, **kwargs)`` runs, with dtypes.
+  """Lists every matmul and convolution that ``fn(*args, **kwargs)`` runs, with dtypes and flags.
 
   The function is lowered, not compiled or run: ``jax.jit(fn).lower(*args,
   **kwargs)`` (or ``fn.lower(...)`` when ``fn`` is already jitted, so its
@@ -231,8 +410,17 @@ def audit(
   The report answers the question the paper leaves to the user: did every
   product run with half-precision operands, or did a layer left at
   ``dtype=None`` promote its inputs back to float32 and run a float32 GEMM? It
-  also flags GEMM dimensions that are not multiples of 8, which Tensor Cores
-  need. No accelerator is needed: only the StableHLO text is read.
+  also flags what makes a baseline slower or less precise than it looks (see
+  :meth:`AuditReport.flags`): float32 operands at default precision, which
+  GPUs multiply as TF32 (``jax.default_matmul_precision("highest")`` or
+  ``precision=HIGHEST`` asks for true float32); half operands converted to
+  float32 just before a product (a float32 cotangent meeting a half
+  activation in the backward pass); GEMM dimensions that are not multiples
+  of 8, which Tensor Cores need; and, in :attr:`AuditReport.reductions`,
+  sums done in float16 or bfloat16 and exps done in float16 (softmax, cross
+  entropy). :meth:`AuditReport.estimate_matmul_seconds` turns the FLOPs per
+  operand class into a time on a device from its peak throughput, an
+  estimate. No accelerator is needed: only the StableHLO text is read.
 
   Where the module path comes from: JAX records a name stack on every op
   (``jit(step)/transpose(jvp(Decoder))/Block_0/Dense_0/dot_general``). Flax
@@ -281,11 +469,14 @@ def audit(
   else:
     lower = getattr(fn, "lower", None)  # Already jitted: keep its static arguments.
     lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
-  ops = [MatmulOp(share=0.0, **f) for f in stablehlo.matmul_ops(lowered.compiler_ir("stablehlo"))]
+  module = lowered.compiler_ir("stablehlo")
+  ops = [MatmulOp(share=0.0, **f) for f in stablehlo.matmul_ops(module)]
   total = sum(op.flops for op in ops)
   ops = [dataclasses.replace(op, share=op.flops / total if total else 0.0) for op in ops]
   return AuditReport(
     ops=tuple(ops),
     policy=None if policy is None else policy_lib.get_policy(policy),
     program_flops=total,
+    reductions=tuple(ReductionOp(**f) for f in stablehlo.half_reductions(module)),
+    default_matmul_precision=getattr(jax.config, "jax_default_matmul_precision", None),
   )

@@ -58,7 +58,9 @@ class KeepRules:
   Where a layer's compute dtype differs from its parent's, its floating inputs
   are cast to its compute dtype and its floating outputs back to the parent's
   compute dtype, so a float32 norm hands half-precision activations to the
-  next matmul instead of making it run in float32.
+  next matmul instead of making it run in float32 (with ``lean_norms``, the
+  Flax normalisation layers do the same inside one kernel whose backward pass
+  saves the half-precision input only).
 
   Attributes:
     classes: ``(layer class, policy)`` pairs; a layer matches by ``isinstance``.
@@ -70,6 +72,15 @@ class KeepRules:
     softmax_in_float32: give Flax attention layers left at Flax's default
       attention function :func:`mpx.dot_product_attention` instead, whose
       softmax runs in float32 between half-precision matmuls.
+    lean_norms: compute a ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` that
+      runs in float32 inside a half-precision parent with mpx's kernels
+      instead of Flax's code: the same float32 arithmetic on the layer's own
+      params and statistics, but the backward pass keeps only the
+      half-precision input and the float32 per-row statistics, where Flax's
+      code under autodiff keeps three to four float32 copies of the
+      activations. Exact Flax classes only (a subclass may change the
+      computation), and only calls without a ``mask`` or a device
+      ``axis_name``; other layers and calls run Flax's code between casts.
 
   The three rule fields accept a mapping or an iterable of pairs; each policy
   is parsed with :func:`mpx.get_policy` and the pairs are stored as tuples.
@@ -90,6 +101,7 @@ class KeepRules:
   instances: Any = ()
   norms_in_float32: bool = True
   softmax_in_float32: bool = True
+  lean_norms: bool = True
 
   def __post_init__(self) -> None:
     object.__setattr__(self, "classes", _pairs(self.classes))

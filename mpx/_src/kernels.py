@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.extend.core as jex
@@ -24,16 +24,59 @@ import numpy as np
 from mpx._src import errors
 
 
+def _wide(dtype: Any) -> Any:
+  """float32, or ``dtype`` itself when it is wider."""
+  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
+
+
+def _softmax_primal(x: jax.Array, where: Any, axis: Any, masked_value: float | None) -> jax.Array:
+  x32 = x.astype(_wide(x.dtype))
+  if masked_value is None:
+    return jax.nn.softmax(x32, axis=axis, where=where).astype(x.dtype)
+  return jax.nn.softmax(jnp.where(where, x32, masked_value), axis=axis).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _softmax(x: jax.Array, where: Any, axis: Any, masked_value: float | None) -> jax.Array:
+  return _softmax_primal(x, where, axis, masked_value)
+
+
+def _softmax_fwd(x, where, axis, masked_value):
+  y = _softmax_primal(x, where, axis, masked_value)
+  # Masked entries of y are 0, so their gradient is too; only a row masked
+  # entirely (uniform after filling) needs the mask itself.
+  return y, (y, None if masked_value is None else where)
+
+
+def _softmax_bwd(axis, masked_value, res, g):
+  del masked_value
+  y, where = res
+  wide = _wide(y.dtype)
+  y, g = y.astype(wide), g.astype(wide)
+  dx = y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
+  if where is not None:
+    dx = jnp.where(where, dx, jnp.zeros((), wide))
+  return dx.astype(res[0].dtype), None
+
+
+_softmax.defvjp(_softmax_fwd, _softmax_bwd)
+
+
 def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, where: Any = None) -> jax.Array:
   """Softmax computed in float32 and returned in the dtype of ``x``.
 
   Use it in hand-written attention instead of ``jax.nn.softmax``: its exp and
   sum are reductions that overflow or lose mass in float16 (paper section 3).
+  The backward pass saves only the output, in the dtype of ``x`` (which the
+  next matmul keeps anyway), and computes ``y * (g - sum(g * y))`` in float32
+  from it, as Megatron-LM's fused softmax does; plain autodiff of a float32
+  softmax would keep float32 copies of the whole attention matrix.
 
   Args:
     x: the logits, any floating dtype.
     axis: the axis (or axes) to normalize over.
-    where: optional mask of elements to include, as in ``jax.nn.softmax``.
+    where: optional mask of elements to include, as in ``jax.nn.softmax``
+      (excluded elements get probability 0).
 
   Returns:
     The softmax of ``x``, in ``x.dtype``.
@@ -43,8 +86,7 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, where: Any = None) -
     >>> mpx.softmax(jnp.zeros(4, jnp.float16))
     Array([0.25, 0.25, 0.25, 0.25], dtype=float16)
   """
-  wide = x.dtype if jnp.finfo(x.dtype).bits >= 32 else jnp.float32
-  return jax.nn.softmax(x.astype(wide), axis=axis, where=where).astype(x.dtype)
+  return cast(jax.Array, _softmax(x, where, axis, None))
 
 
 def dot_product_attention(
@@ -67,7 +109,8 @@ def dot_product_attention(
 
   A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
   ``nnx.MultiHeadAttention``: both matmuls take ``dtype`` operands, the
-  softmax is :func:`softmax`. ``apply_policy`` installs it on attention layers
+  softmax is :func:`softmax` (float32 inside; the backward pass keeps the
+  ``dtype`` weights and the mask as passed, not float32 copies). ``apply_policy`` installs it on attention layers
   left at Flax's default when ``KeepRules.softmax_in_float32`` is set. (Flax's
   own ``force_fp32_for_softmax`` leaves the weights in float32, so the
   following matmul would run in float32.) ``module`` is accepted and ignored:
@@ -102,9 +145,13 @@ def dot_product_attention(
   if is_causal:
     causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
     mask = causal if mask is None else jnp.logical_and(mask, causal)
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(dtype).min)
-  weights = softmax(logits)
+  # Masked logits are filled with the lowest value, as Flax does (a row masked
+  # entirely gets uniform weights), inside the softmax's custom VJP, so the
+  # backward pass keeps the mask as given instead of broadcast to every head.
+  fill = None
+  if mask is not None:  # Flax's masks are float32 (make_causal_mask): keep 1 byte each.
+    mask, fill = jnp.asarray(mask, jnp.bool_), float(jnp.finfo(dtype).min)
+  weights = cast(jax.Array, _softmax(logits, mask, -1, fill))
   if not deterministic and dropout_rate > 0.0:
     if dropout_rng is None:
       raise errors.ConfigError(

@@ -9,7 +9,9 @@ questions, answered here once:
   does (inputs to its compute dtype, outputs to the model's output dtype), and
   so does a layer whose compute dtype differs from its parent's (outputs back
   to the parent's compute dtype);
-* which of its dtype knobs receive that policy (:func:`configure_layer`).
+* which of its dtype knobs receive that policy (:func:`configure_layer`);
+* whether a float32 normalisation layer in a half-precision parent runs the
+  lean kernels instead of Flax's code (:meth:`LayerPolicies.lean_norm`).
 
 The adapters differ only in how a layer's parent and path are found (a linen
 module knows both; NNX modules are found by walking the graph) and in how a
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -58,6 +60,8 @@ class LayerPolicies:
       in float32 when ``rules.norms_in_float32`` is set.
     parent_of: returns a layer's enclosing layer, ``None`` for the root.
     path_of: returns a layer's ``/``-joined module path.
+    lean_norm_kinds: the Flax API's normalisation classes the lean kernels
+      compute, each with its kind (``mpx._src.norm_layers.KINDS``).
   """
 
   def __init__(
@@ -68,10 +72,12 @@ class LayerPolicies:
     norm_classes: tuple[type, ...],
     parent_of: Callable[[Any], Any],
     path_of: Callable[[Any], str],
+    lean_norm_kinds: Mapping[type, str] | None = None,
   ) -> None:
     self.policy = policy
     self.rules = rules
     self._norm_classes = norm_classes if rules.norms_in_float32 else ()
+    self._lean_norm_kinds = dict(lean_norm_kinds or {}) if rules.lean_norms else {}
     self._parent_of = parent_of
     self._path_of = path_of
     self._resolved: dict[int, policy_lib.Policy] = {}
@@ -133,6 +139,27 @@ class LayerPolicies:
       return inner, np.dtype(self.policy.output_dtype)
     outer = np.dtype(self.policy_at(parent).compute_dtype)
     return None if outer == inner else (inner, outer)
+
+  def lean_norm(self, module: Any, cls: type | None = None) -> str | None:
+    """Returns the lean kernel kind that computes ``module``'s calls, or ``None`` for Flax's code.
+
+    Args:
+      module: a layer of the model.
+      cls: the layer's Flax class, when ``type(module)`` is an adapter's
+        subclass of it; ``None`` means ``type(module)``.
+
+    Returns:
+      ``"layer"``, ``"rms"`` or ``"batch"`` for a layer of exactly one of the
+      ``lean_norm_kinds`` classes that computes in float32 inside a parent
+      with a half-precision compute dtype, when ``rules.lean_norms`` is set;
+      else ``None``.
+    """
+    kind = self._lean_norm_kinds.get(type(module) if cls is None else cls)
+    boundary = self.boundary(module) if kind is not None else None
+    if boundary is None:
+      return None
+    inner, outer = boundary
+    return kind if inner == np.dtype(np.float32) and dtypes_lib.is_half(outer) else None
 
   def warn_unmatched_paths(self, *, stacklevel: int) -> None:
     """Warns about path rules that matched none of the layers resolved so far.

@@ -7,24 +7,35 @@ every method of such a copy, ``setup`` included, passes through
 ``nn.intercept_methods`` before its body runs. On a copy's first call the
 interceptor resolves its policy (``mpx._src.layer_policy``) and writes it into
 the copy's fields, which the body then reads; the user's module objects are
-never touched. The user-facing account is :func:`apply_policy`'s docstring.
+never touched. A float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
+half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
+params and statistics instead of its body (after ``init``, which runs Flax's
+code to create them). The user-facing account is :func:`apply_policy`'s
+docstring.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import casting, errors, layer_policy
+from mpx._src import casting, errors, layer_policy, norm_layers
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
 
 DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
+_LEAN_NORM_KINDS: dict[type, str] = {
+  nn.LayerNorm: "layer",
+  nn.RMSNorm: "rms",
+  nn.BatchNorm: "batch",
+}
 
 
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
@@ -67,6 +78,38 @@ def _set_field(module: nn.Module, name: str, value: Any) -> None:
   object.__setattr__(module, name, value)
 
 
+def _lean_norm_call(module: nn.Module, kind: str, args: Any, kwargs: Any, dtype: Any) -> Any:
+  """One call of a linen norm through the lean kernels (``None``: run Flax's code)."""
+  running: list[Any] = []
+
+  def param(name: str, shape: tuple[int, ...]) -> jax.Array:
+    return module.param(name, getattr(module, f"{name}_init"), shape, module.param_dtype)
+
+  def stats(shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    if not running:  # The variables as Flax's BatchNorm declares them.
+      f32 = getattr(module, "force_float32_reductions", True)
+      stat_dtype = jnp.float32 if f32 else module.param_dtype
+      for name, fill in (("mean", 0.0), ("var", 1.0)):
+        init = functools.partial(jnp.full, fill_value=fill, dtype=stat_dtype)
+        running.append(module.variable("batch_stats", name, init, shape))
+    return running[0].value, running[1].value
+
+  def set_stats(mean: jax.Array, var: jax.Array) -> None:
+    running[0].value, running[1].value = mean, var
+
+  return norm_layers.call(
+    module,
+    kind,
+    args,
+    kwargs,
+    dtype=dtype,
+    param=param,
+    stats=stats,
+    set_stats=set_stats,
+    call_overrides_attribute=False,
+  )
+
+
 @dataclasses.dataclass(eq=False)
 class PolicyModel:
   """A linen model that runs under a precision policy; made by :func:`apply_policy`.
@@ -104,6 +147,7 @@ class PolicyModel:
       norm_classes=DEFAULT_KEEP_CLASSES,
       parent_of=_parent,
       path_of=_path,
+      lean_norm_kinds=_LEAN_NORM_KINDS,
     )
     param_dtypes: dict[tuple[str, ...], np.dtype] = {}
     depth: dict[int, int] = {}  # casting calls in progress, per configured layer
@@ -130,6 +174,11 @@ class PolicyModel:
       if boundary is None or context.method_name == "setup" or depth[key]:
         return next_fun(*f_args, **f_kwargs)
       inner, outer = boundary
+      kind = layers.lean_norm(module)
+      if kind is not None and not initializing and context.method_name == "__call__":
+        out = _lean_norm_call(module, kind, f_args, f_kwargs, outer)
+        if out is not None:
+          return out
       f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
       depth[key] += 1
       try:
@@ -244,6 +293,14 @@ def apply_policy(
   to the parent's, so the next matmul still runs in half precision. Integer
   inputs (token ids), PRNG keys and other non-floating values are never cast
   (see :func:`mpx.cast_tree`).
+
+  Lean norms (``rules.lean_norms``, the default): a ``LayerNorm``,
+  ``RMSNorm`` or ``BatchNorm`` that computes in float32 inside a
+  half-precision parent is computed by mpx's kernels from its own params and
+  ``batch_stats`` (updated as Flax updates them): the same float32
+  arithmetic, an output in the parent's compute dtype, and a backward pass
+  that keeps the half-precision input and float32 per-row statistics instead
+  of float32 copies of the activations. ``init`` runs Flax's own code.
 
   Initialisation: half-precision params are sampled in float32 and rounded to
   the param dtype, so every policy starts from the float32 run's initial

@@ -5,24 +5,59 @@ time, so :func:`apply_policy` resolves every module's policy once
 (``mpx._src.layer_policy``) and writes it in place. NNX has no method
 interceptor, so a layer that casts at its boundary gets its class swapped for a
 cached same-named subclass whose ``__call__`` casts; the subclass is part of
-the graph definition and survives ``nnx.split`` / ``nnx.merge``. The
-user-facing account is :func:`apply_policy`'s docstring.
+the graph definition and survives ``nnx.split`` / ``nnx.merge``. The same
+``__call__`` hands a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
+half-precision parent to ``mpx._src.norm_layers``, which computes it from the
+layer's own params and statistics. The user-facing account is
+:func:`apply_policy`'s docstring.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax import nnx
+from flax.nnx.nn import dtypes as nnx_dtypes
 
-from mpx._src import casting, errors, layer_policy
+from mpx._src import casting, errors, layer_policy, norm_layers
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
 
 DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nnx.BatchNorm, nnx.LayerNorm, nnx.RMSNorm, nnx.GroupNorm)
+_LEAN_NORM_KINDS: dict[type, str] = {
+  nnx.LayerNorm: "layer",
+  nnx.RMSNorm: "rms",
+  nnx.BatchNorm: "batch",
+}
 
 _BOUNDARY_CLASSES: dict[type, type] = {}
+
+
+def _flax_class(module: nnx.Module) -> type:
+  """The class of ``module`` before :func:`apply_policy` swapped in its casting subclass."""
+  cls = type(module)
+  return cls.__mro__[1] if getattr(cls, "_mpx_casts_at_boundary", False) else cls
+
+
+def _lean_norm_call(module: Any, args: Any, kwargs: Any, dtype: Any) -> Any:
+  """One call of an NNX norm through the lean kernels (``None``: run Flax's code)."""
+
+  def set_stats(mean: jax.Array, var: jax.Array) -> None:
+    module.mean[...], module.var[...] = mean, var
+
+  return norm_layers.call(
+    module,
+    module.mpx_lean_norm,
+    args,
+    kwargs,
+    dtype=dtype,
+    param=lambda name, shape: getattr(module, name)[...],
+    stats=lambda shape: (module.mean[...], module.var[...]),
+    set_stats=set_stats,
+    call_overrides_attribute=True,
+  )
 
 
 def _boundary_class(cls: type) -> type:
@@ -36,6 +71,10 @@ def _boundary_class(cls: type) -> type:
       if self.mpx_boundary is None:
         return call(*args, **kwargs)
       inner, outer = self.mpx_boundary
+      if getattr(self, "mpx_lean_norm", None) is not None:
+        out = _lean_norm_call(self, args, kwargs, outer)
+        if out is not None:
+          return out
       args, kwargs = casting.cast_tree((args, kwargs), inner)
       return casting.cast_tree(call(*args, **kwargs), outer)
 
@@ -97,7 +136,15 @@ def apply_policy(
   method interceptor, so such a layer's class is swapped for a same-named
   subclass whose ``__call__`` casts; it is part of the graph definition, so
   ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and ``nnx.Optimizer`` carry it
-  along. Integer inputs (token ids), PRNG keys and NNX objects passed to a call
+  along.
+
+  Lean norms (``rules.lean_norms``, the default): that ``__call__`` computes
+  a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision
+  parent with mpx's kernels, from the layer's own params and statistics
+  (updated as Flax updates them): the same float32 arithmetic, an output in
+  the parent's compute dtype, and a backward pass that keeps the
+  half-precision input and float32 per-row statistics instead of float32
+  copies of the activations. Integer inputs (token ids), PRNG keys and NNX objects passed to a call
   (``nnx.Rngs``, modules, variables) are never cast or copied (see
   :func:`mpx.cast_tree`), so RNG counts advance as without a policy.
 
@@ -159,6 +206,7 @@ def apply_policy(
     norm_classes=DEFAULT_KEEP_CLASSES,
     parent_of=parent_of,
     path_of=lambda module: layer_policy.join_path(paths[id(module)]),
+    lean_norm_kinds=_LEAN_NORM_KINDS,
   )
   for module in modules.values():
     layer_policy.configure_layer(
@@ -171,12 +219,16 @@ def apply_policy(
       set_field=setattr,
     )
     boundary = layers.boundary(module)
+    lean = layers.lean_norm(module, _flax_class(module))
+    if getattr(module, "promote_dtype", nnx_dtypes.promote_dtype) is not nnx_dtypes.promote_dtype:
+      lean = None  # A custom promotion is part of the layer's computation.
     if boundary is not None:
       object.__setattr__(module, "__class__", _boundary_class(type(module)))
       # Static strings: the boundary is part of the graph definition.
       module.mpx_boundary = tuple(dtype.name for dtype in boundary)  # pyright: ignore[reportAttributeAccessIssue]
+      module.mpx_lean_norm = lean  # pyright: ignore[reportAttributeAccessIssue]
     elif getattr(module, "_mpx_casts_at_boundary", False):
-      module.mpx_boundary = None  # pyright: ignore[reportAttributeAccessIssue]
+      module.mpx_boundary = module.mpx_lean_norm = None  # pyright: ignore[reportAttributeAccessIssue]
 
   for path, node in nodes:
     if isinstance(node, nnx.Param) and tree_lib.is_floating_array(node.get_value()):

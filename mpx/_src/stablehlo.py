@@ -1,4 +1,4 @@
-"""Reading matmuls and convolutions out of a StableHLO module, for the audit.
+"""Reading matmuls, convolutions and half-precision reductions out of a StableHLO module, for the audit.
 
 Generic MLIR calls only (operation names, operand types, attributes as text,
 locations), so no jaxlib dialect internals are imported.
@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 
 _KINDS = {
@@ -165,8 +166,8 @@ def _attributes(op: Any) -> dict[str, str]:
   return {op.attributes[i].name: str(op.attributes[i].attr) for i in range(len(op.attributes))}
 
 
-def _collect(module: Any) -> list[dict[str, Any]]:
-  """Returns the raw matmul records of a StableHLO module, names made absolute."""
+def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
+  """Returns the raw records of the ops called ``names`` in a module, name stacks made absolute."""
   functions: dict[str, list[Any]] = {}
   for func in module.body.operations:
     func = func.operation
@@ -199,12 +200,22 @@ def _collect(module: Any) -> list[dict[str, Any]]:
   for func, ops in functions.items():
     resolve(func)
     for op in ops:
-      if op.name not in _KINDS:
+      if op.name not in names:
         continue
       location = str(op.location)
       name = "/".join(p for p in (prefix[func], _location_name(location)) if p)
       records.append({"op": op, "name": name, "location": location, "count": count[func]})
   return records
+
+
+def _upcast_from_half(value: Any) -> bool:
+  """Whether ``value`` is a ``stablehlo.convert`` of a half-precision tensor to a wider float."""
+  owner = value.owner
+  if getattr(owner, "name", None) != "stablehlo.convert":
+    return False  # a block argument, or computed by another op
+  source, _ = _tensor(str(owner.operands[0].type))
+  target, _ = _tensor(str(value.type))
+  return dtypes_lib.is_half(source) and dtypes_lib.is_floating(target) and target.itemsize > 2
 
 
 def _record(raw: dict[str, Any]) -> dict[str, Any]:
@@ -219,6 +230,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
   else:
     gemm, flops, misaligned = _gemm_dot(attrs, lhs_shape, rhs_shape)
   accumulation = re.search(r"accumulation_type = (\w+)", attrs.get("algorithm", ""))
+  operand_precision = re.search(r"lhs_precision_type = (\w+)", attrs.get("algorithm", ""))
   module_path, is_backward = _module_path(raw["name"], raw["location"])
   return dict(
     kind=kind,
@@ -226,6 +238,13 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     rhs_dtype=rhs_dtype,
     result_dtype=result_dtype,
     accumulation_dtype=_element_dtype(accumulation.group(1)) if accumulation else None,
+    precision=tuple(re.findall(r"precision (\w+)", attrs.get("precision_config", ""))),
+    algorithm_precision=operand_precision.group(1) if operand_precision else None,
+    upcast=tuple(
+      side
+      for side, value in zip(("lhs", "rhs"), op.operands, strict=False)
+      if _upcast_from_half(value)
+    ),
     lhs_shape=lhs_shape,
     rhs_shape=rhs_shape,
     result_shape=result_shape,
@@ -248,4 +267,59 @@ def matmul_ops(module: Any) -> list[dict[str, Any]]:
   Returns:
     One dict per op with the fields of ``mpx.MatmulOp`` except ``share``.
   """
-  return [_record(raw) for raw in _collect(module)]
+  return [_record(raw) for raw in _collect(module, frozenset(_KINDS))]
+
+
+_SUMS = frozenset({"stablehlo.reduce", "stablehlo.reduce_window"})
+
+
+def _reduction(raw: dict[str, Any]) -> dict[str, Any] | None:
+  """The fields of a half-precision sum or exp, or ``None`` for any other reduce or exp."""
+  op = raw["op"]
+  dtype, shape = _tensor(str(op.operands[0].type))
+  if op.name == "stablehlo.exponential":
+    if dtype != np.dtype(jnp.float16):
+      return None  # bfloat16 has float32's range: its exp does not overflow
+    kind, terms = "exp", 1
+  else:
+    body = [child.name for child in op.regions[0].blocks[0].operations]
+    if not dtypes_lib.is_half(dtype) or "stablehlo.add" not in body:
+      return None  # max/min/and reductions are exact in any dtype
+    attrs = _attributes(op)
+    if op.name == "stablehlo.reduce":
+      terms = math.prod(shape[d] for d in _dims_array(attrs.get("dimensions", "")))
+    else:
+      terms = math.prod(_dims_array(attrs.get("window_dimensions", "")))
+    if terms <= 1:
+      return None  # a reshape in disguise: nothing is added
+    kind = "sum"
+  module_path, is_backward = _module_path(raw["name"], raw["location"])
+  return dict(
+    kind=kind,
+    dtype=dtype,
+    shape=shape,
+    terms=terms,
+    module_path=module_path,
+    name=raw["name"],
+    is_backward=is_backward,
+    count=raw["count"],
+  )
+
+
+def _dims_array(text: str) -> list[int]:
+  """``array<i64: 1, 2>`` (or ``dense<[1, 2]>``) -> ``[1, 2]``."""
+  match = re.search(r"(?:array<i64:|\[)\s*([\d,\s]*)", text)
+  return [int(d) for d in match.group(1).split(",") if d.strip()] if match else []
+
+
+def half_reductions(module: Any) -> list[dict[str, Any]]:
+  """Returns every sum in float16 or bfloat16 and every exp in float16 of ``module``.
+
+  Args:
+    module: the ``compiler_ir("stablehlo")`` of a lowered JAX program.
+
+  Returns:
+    One dict per op with the fields of ``audit.ReductionOp``, in program order.
+  """
+  raws = _collect(module, _SUMS | {"stablehlo.exponential"})
+  return [r for r in map(_reduction, raws) if r is not None]

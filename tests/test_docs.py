@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import doctest
-import functools
 import io
 import json
 import os
@@ -167,10 +166,15 @@ mpx.get_policy("mixed_fp16")
 """
 
 
-@functools.cache
-def _results() -> dict[str, dict]:
-  tmp = pathlib.Path(tempfile.mkdtemp())
-  broken = tmp / "broken.md"
+def _code_lines(page: str) -> int:
+  blocks = runnable(parse(pathlib.Path(page).read_text(encoding="utf-8")))
+  return sum(block.code.count("\n") for block, _ in blocks)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+  """Runs every page once; maps each page's path to what it printed and its first error."""
+  broken = tmp_path_factory.mktemp("docs") / "broken.md"
   broken.write_text(_BROKEN_PAGE, encoding="utf-8")
   pages = [str(p) for p in PAGES] + [str(broken)]
   env = dict(
@@ -179,25 +183,39 @@ def _results() -> dict[str, dict]:
     # Compiling dominates the run; LLVM's optimisations change how fast the snippets
     # run, not what they print, and skipping them halves the time.
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    PYTHONPATH=os.pathsep.join(p for p in [str(ROOT), os.environ.get("PYTHONPATH")] if p),
   )
   # Two interpreters share the pages (compiling is single-threaded): on two cores this
-  # halves the time; each page still runs whole, in order, in one of them.
+  # halves the time; each page still runs whole, in order, in one of them. The longest
+  # pages (by lines of code to run) are dealt first, each to the less loaded interpreter.
   workers = max(1, min(2, os.cpu_count() or 1))
+  shares: list[list[str]] = [[] for _ in range(workers)]
+  loads = [0] * workers
+  for page in sorted(pages, key=_code_lines, reverse=True):
+    i = loads.index(min(loads))
+    shares[i].append(page)
+    loads[i] += _code_lines(page)
   procs = [
     subprocess.Popen(
-      [sys.executable, __file__, "--json", *pages[i::workers]],
+      [sys.executable, __file__, "--json", *share],
       cwd=ROOT,
       env=env,
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
     )
-    for i in range(workers)
+    for share in shares
   ]
+  outputs = []
+  try:
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+  finally:
+    for proc in procs:
+      if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
   results = []
-  for proc in procs:
-    out, err = proc.communicate(timeout=600)
+  for proc, (out, err) in zip(procs, outputs, strict=True):
     assert proc.returncode == 0, err[-5000:]
     results += json.loads(out.splitlines()[-1])
   by_page = {r["page"]: r for r in results}
@@ -205,8 +223,8 @@ def _results() -> dict[str, dict]:
 
 
 @pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(DOCS)) for p in PAGES])
-def test_page_runs_and_prints_what_it_shows(page):
-  result = _results()[str(page)]
+def test_page_runs_and_prints_what_it_shows(page, results):
+  result = results[str(page)]
   if result["error"]:
     pytest.fail(
       f"{page.relative_to(ROOT)}:{result['error']['line']}\n{result['error']['traceback']}"
@@ -215,8 +233,8 @@ def test_page_runs_and_prints_what_it_shows(page):
   assert not problems, "\n".join(problems)
 
 
-def test_a_wrong_snippet_fails():
-  result = _results()["broken"]
+def test_a_wrong_snippet_fails(results):
+  result = results["broken"]
   assert result["error"]["line"] == 10
   assert "PolicyError" in result["error"]["traceback"]
   (problem,) = mismatches(result["path"], result)

@@ -43,6 +43,9 @@ from mpx._src.master_params import apply_updates as apply_updates
 from mpx._src.master_params import with_master_params as with_master_params
 from mpx._src.mixed_precision import check_state as check_state
 from mpx._src.mixed_precision import mixed_precision as mixed_precision
+from mpx._src.plots import plot_flushed_heatmap as plot_flushed_heatmap
+from mpx._src.plots import plot_loss_scale as plot_loss_scale
+from mpx._src.plots import plot_magnitude_histogram as plot_magnitude_histogram
 from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
 from mpx._src.range_report import RangeReport as RangeReport
@@ -108,6 +111,9 @@ __all__ = (
   "nnx",
   "no_loss_scale",
   "nonfinite_gradient_paths",
+  "plot_flushed_heatmap",
+  "plot_loss_scale",
+  "plot_magnitude_histogram",
   "range_report",
   "recommend_scale",
   "scale",

@@ -1,0 +1,12 @@
+"""``python -m mpx.diagnose``: the precision diagnostics on a small built-in model.
+
+Writes a Figure-3-style magnitude histogram, a heat map of flushed fractions
+per module and a loss-scale trajectory as PNGs, and prints the recommended
+static scale and the non-finite locator's report. ``--help`` lists the
+options. Needs matplotlib (``pip install "mpx-mixed-precision[plots]"``).
+"""
+
+from mpx._src.diagnose import main
+
+if __name__ == "__main__":
+  main()

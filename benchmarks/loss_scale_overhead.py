@@ -354,6 +354,22 @@ def make_candidates(config: _gpt.GPTConfig) -> list[Candidate]:
       lambda s: s[0],
     ),
     Candidate(
+      "jmp_params_donated",
+      "jmp as above with only params donated (opt_state not donated)",
+      jmp_init,
+      jmp_step,
+      lambda s: s[0],
+      (0,),
+    ),
+    Candidate(
+      "flax_params_donated",
+      "flax as above with only params donated (opt_state not donated)",
+      flax_init,
+      flax_step,
+      lambda s: s[0],
+      (0,),
+    ),
+    Candidate(
       "mpx",
       "mpx.dynamic_loss_scale(adamw) + mpx.value_and_grad (the shipped transform)",
       mpx_tx.init,

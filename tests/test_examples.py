@@ -129,7 +129,7 @@ def runner(request, tmp_path_factory):
     jax_cache = tmp_path_factory.mktemp("jax-cache")
   runner = _Runner(tmp_path_factory.mktemp("examples"), jax_cache)
   for item in request.session.items:  # start what the selected tests of this file need
-    if item.module is sys.modules[__name__] and item.originalname in NEEDS:
+    if getattr(item, "module", None) is sys.modules[__name__] and item.originalname in NEEDS:
       params = item.callspec.params if hasattr(item, "callspec") else {}
       for key in NEEDS[item.originalname](params):
         runner.start(key)

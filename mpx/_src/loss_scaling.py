@@ -295,13 +295,14 @@ def dynamic_loss_scale(
   ``dynamic_loss_scale(optax.MultiSteps(inner, k))``. Each mini-batch is then
   unscaled and checked before it enters the float32 accumulator, so a
   non-finite mini-batch costs one mini-step (the accumulator and mini-step
-  counter stay untouched) and what is eventually applied is a sum of checked,
-  true gradients; the scale may change inside a window, which is harmless
-  because every mini-batch is divided by the scale it was computed with. The
-  other order, ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the
-  scale is constant within a window and the check covers the accumulated sum,
-  but the *scaled* gradients are accumulated in their own dtype (float16 sums
-  can overflow), one bad mini-batch discards the whole window, and the scale
+  counter stay untouched) and what is eventually applied is the mean of
+  checked, true gradients (``MultiSteps`` averages its mini-batches); the
+  scale may change inside a window, which is harmless because every
+  mini-batch is divided by the scale it was computed with. The other order,
+  ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the scale is
+  constant within a window and the check covers the accumulated mean, but the
+  *scaled* gradients are accumulated in their own dtype (a float16 running
+  mean can overflow), one bad mini-batch discards the whole window, and the scale
   adapts ``k`` times more slowly.
 
   Every hyperparameter must be known when the transformation is built: a

@@ -66,7 +66,8 @@ def get_loss_scale(opt_state: Any) -> jax.Array:
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
-    >>> tx = optax.chain(optax.add_decayed_weights(1e-4), mpx.dynamic_loss_scale(optax.sgd(0.1)))
+    >>> inner = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1))
+    >>> tx = mpx.dynamic_loss_scale(inner)  # decay sees unscaled gradients
     >>> mpx.get_loss_scale(tx.init({"w": jnp.ones(2)}))
     Array(32768., dtype=float32)
   """
@@ -185,7 +186,8 @@ def check_loss_scale(opt_state: Any) -> None:
       f"{int(s.consecutive_skips)} in a row), so lowering the scale cannot help: the model "
       "itself produces inf or NaN. Look for NaN in the data, lower the learning rate, keep "
       "numerically sensitive ops (softmax, norms, losses) in float32, or train in bfloat16. "
-      "To continue anyway, reset the flag with state._replace(diverged=False)."
+      "To continue anyway, reset the flag with "
+      "optax.tree_utils.tree_set(opt_state, diverged=False)."
     )
 
 

@@ -208,9 +208,17 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
   return records
 
 
+# Ops that move or replicate elements without computing: an upcast stays an upcast through them.
+_LAYOUT_OPS = frozenset(
+  {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim", "stablehlo.copy"}
+)
+
+
 def _upcast_from_half(value: Any) -> bool:
-  """Whether ``value`` is a ``stablehlo.convert`` of a half-precision tensor to a wider float."""
+  """Whether ``value`` is a half-precision tensor converted to a wider float (then maybe reshaped)."""
   owner = value.owner
+  while getattr(owner, "name", None) in _LAYOUT_OPS:
+    owner = owner.operands[0].owner
   if getattr(owner, "name", None) != "stablehlo.convert":
     return False  # a block argument, or computed by another op
   source, _ = _tensor(str(owner.operands[0].type))

@@ -108,7 +108,7 @@ def at_boundaries_after_scaling(target, k):
 SCALE_EXPONENTS = st.one_of(st.integers(-30, 30), st.sampled_from([-126, -100, 100, 126]))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(
   seed=st.integers(0, 2**32 - 1),
   target=st.sampled_from(TARGETS),

@@ -104,7 +104,7 @@ def run(config_name: str, reduce_dtype: str, settings: _settings.Settings, data,
   compiled = lowered.compile()
   hlo = {
     "lowered": _gradient_bytes(all_reduce_operands(str(lowered.as_text(dialect="hlo")))),
-    "compiled": _gradient_bytes(all_reduce_operands(compiled.as_text())),
+    "compiled": _gradient_bytes(all_reduce_operands(str(compiled.as_text()))),
   }
   losses, start = [], time.perf_counter()
   for i in range(settings.steps):

@@ -13,6 +13,7 @@ mesh. Each process writes what the test compares to ``--out``.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import pathlib
@@ -89,6 +90,7 @@ def main() -> None:
     }
     return policy.cast_to_param(jax.tree.map(jnp.asarray, params))
 
+  @functools.cache  # one compilation per mesh
   def make_step(mesh: Mesh):
     replicated = NamedSharding(mesh, P())
 

@@ -7,17 +7,19 @@ collectives between them), so the whole multi-host setup runs on a laptop;
 on a cluster, start it once per host with ``--process-id`` and
 ``--coordinator``.
 
-The train step is ``jax.shard_map`` data parallelism with three mpx lines: the
-Flax model under ``mpx.linen.apply_policy``, ``mpx.value_and_grad`` for scaled
-gradients, and ``mpx.all_reduce_gradients``, which averages them across every
-device of every process in the policy's compute dtype (half the bytes of a
-float32 all-reduce) before ``mpx.mixed_precision`` unscales and checks them in
-float32. At ``--poison-step`` process 1 alone puts an inf into its share of the
-batch: the inf reaches every device through the all-reduce, so every process
-skips that step and halves its loss scale. At the end every process checks
-that all processes hold bitwise the same params
-(``multihost_utils.assert_equal``). It exits with status 1 if a process fails,
-the poisoned step was not skipped everywhere, or the final loss is not finite.
+The train step is ``jax.shard_map`` data parallelism: the Flax model under
+``mpx.linen.apply_policy``, ``mpx.value_and_grad`` for scaled gradients, and
+``mpx.all_reduce_gradients``, which averages them across every device of every
+process in the policy's compute dtype (half the bytes of a float32 all-reduce)
+before ``mpx.mixed_precision`` unscales and checks them in float32. At
+``--poison-step`` process 1 alone puts an inf into its share of the batch: the
+inf reaches every device through the all-reduce, so every process skips that
+step (its logged loss is NaN) and halves its loss scale. A policy without
+float16 has no loss scaling, hence no check and no skip, so no inf is sent
+then. At the end every process checks that all processes hold bitwise the same
+params (``multihost_utils.assert_equal``). It exits with status 1 if a process
+fails, the poisoned step was not skipped everywhere, or the final loss is not
+finite.
 
 Run: ``python examples/multiprocess.py`` (``--smoke`` for a few steps), or on
 each of N hosts ``python examples/multiprocess.py --num-processes N
@@ -44,7 +46,9 @@ def parse_args() -> argparse.Namespace:
   parser.add_argument("--coordinator", help="HOST:PORT of process 0 (chosen for local launches)")
   parser.add_argument("--steps", type=int, default=200)
   parser.add_argument("--smoke", action="store_true", help="a few steps, for a quick check")
-  parser.add_argument("--poison-step", type=int, default=20, help="process 1 sends an inf here")
+  parser.add_argument(
+    "--poison-step", type=int, default=20, help="process 1 sends an inf here (0: never)"
+  )
   parser.add_argument("--policy", default="mixed_float16", help="e.g. mixed_bfloat16")
   parser.add_argument("--batch-size", type=int, default=64, help="global batch")
   parser.add_argument("--log-every", type=int, default=20)
@@ -127,6 +131,10 @@ def train(args: argparse.Namespace) -> int:
     log(f"--batch-size must be a multiple of the {jax.device_count()} devices")
     return 1
   policy = mpx.get_policy(args.policy)
+  if jnp.float16 not in (policy.compute_dtype, policy.param_dtype) and args.poison_step:
+    # loss_scale="dynamic" scales float16 only; bfloat16 and float32 runs neither check nor skip.
+    log(f"policy {policy} has no loss scaling, hence no skip: not sending an inf")
+    args.poison_step = 0
   model = mpx.linen.apply_policy(Mlp(), policy)
   digits: Any = load_digits()
   x_all = (digits.data / 16.0).astype(np.float32)
@@ -189,11 +197,15 @@ def train(args: argparse.Namespace) -> int:
   leaves = [np.asarray(leaf.addressable_data(0)) for leaf in jax.tree.leaves(params)]
   fingerprint = np.frombuffer(b"".join(leaf.tobytes() for leaf in leaves), np.uint8)
   multihost_utils.assert_equal(fingerprint, "params differ between processes")
-  poisoned = args.poison_step <= args.steps
+  poisoned = 0 < args.poison_step <= args.steps
   everywhere = multihost_utils.process_allgather(np.asarray(bool(skipped_at_poison)))
-  ok = bool(np.isfinite(float(loss))) and (not poisoned or bool(np.all(everywhere)))
+  skipped_everywhere = bool(np.all(everywhere))
   if poisoned:
-    log(f"step {args.poison_step} (an inf in process 1's rows) skipped on every process: {ok}")
+    log(
+      f"step {args.poison_step} (an inf in process 1's rows) skipped on every process: "
+      f"{skipped_everywhere}"
+    )
+  ok = bool(np.isfinite(float(loss))) and (not poisoned or skipped_everywhere)
   log("params bitwise equal on every process")
   jax.distributed.shutdown()
   return 0 if ok else 1

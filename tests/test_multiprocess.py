@@ -96,8 +96,8 @@ def _bitwise_equal(a: dict, b: dict) -> bool:
 
 
 # The gradients of float16 params are float16, and XLA sums them across devices in
-# float16; gloo and the in-process all-reduce add in different orders, so a gradient
-# element may differ by a float16 rounding (2**-11 relative), and so may every param,
+# float16; if gloo and the in-process all-reduce add in different orders (the likely
+# cause of the observed differences), a gradient element may differ by a float16 rounding (2**-11 relative), and so may every param,
 # master and momentum that follows. Tolerance: 4 such roundings of each leaf's largest
 # magnitude (a skipped step done wrong, or a lost update, is off by about 100 times that).
 F16_ROUNDING = 2.0**-11

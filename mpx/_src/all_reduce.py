@@ -113,8 +113,9 @@ def all_reduce_gradients(
   a second time. With ``check_vma=False`` gradients are always local.
 
   The backend decides how the all-reduce is carried out: XLA's CPU backend
-  performs a bfloat16 all-reduce in float32 on bfloat16-rounded values
-  (float16 stays float16); GPU and TPU collectives reduce bfloat16 natively.
+  performs a bfloat16 all-reduce in float32 on bfloat16-rounded values, so
+  only the float16 one halves the bytes there; GPU (NCCL) and TPU collectives
+  support bfloat16 (mpx's tests measure the CPU backend only).
 
   Args:
     grads: a pytree of floating arrays, this device's gradients of the scaled

@@ -186,6 +186,25 @@ _SCRIPT = textwrap.dedent(
         ),
     }
 
+    # The reduction itself on 4 real devices, against a float64 NumPy mean.
+    rng = np.random.default_rng(0)
+    local = rng.standard_normal((n, 16, 8)) * np.exp2(rng.integers(-12, 14, (n, 16, 8)))
+    local[:, 0, 0] = 30000.0  # 4 * 30000 overflows float16 unless divided first
+    sharded = jax.device_put(jnp.asarray(local, jnp.float32), NamedSharding(mesh, P("data")))
+    report["numerics"] = {}
+    for dt in ("float16", "bfloat16"):
+        reduce = jax.jit(jax.shard_map(
+            lambda g: mpx.all_reduce_gradients(g[0], "data", reduce_dtype=dt),
+            mesh=mesh, in_specs=P("data"), out_specs=P()))
+        got = np.asarray(reduce(sharded), np.float64)
+        want = local.mean(axis=0)
+        eps = float(jnp.finfo(dt).eps) + float(jnp.finfo(jnp.float32).eps)
+        bound = (n + 1) * eps * np.abs(local).mean(axis=0)
+        report["numerics"][dt] = {
+            "finite": bool(np.isfinite(got).all()),
+            "worst_over_bound": float((np.abs(got - want) / bound).max()),
+        }
+
     # Replicated params without pcast: JAX has already summed the gradients.
     def already_summed(params, batch):
         grads = jax.grad(lambda p: jnp.sum(batch["x"] @ p["w1"]))(params)
@@ -237,6 +256,13 @@ def test_gradients_shard_map_already_summed_are_an_error_naming_the_fix(report):
   assert message is not None
   assert "'b1' does not vary along 'data'" in message
   assert "jax.lax.pcast(params, 'data', to='varying')" in message
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_four_devices_it_matches_a_numpy_mean(report, dtype):
+  numerics = report["numerics"][dtype]
+  assert numerics["finite"]  # the division before the sum keeps float16 in range
+  assert numerics["worst_over_bound"] <= 1.0
 
 
 def test_an_inf_in_one_devices_batch_skips_the_step_on_every_device(report):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors
+from mpx._src import errors, finite_check
 from mpx._src import tree as tree_lib
 
 
@@ -154,8 +154,8 @@ def all_reduce_gradients(
   _check_not_reduced(grads, axis_name)
 
   def local(g: jax.Array) -> jax.Array:
-    wide = np.dtype(jnp.float64) if g.dtype.itemsize > 4 else np.dtype(jnp.float32)
-    return (g.astype(wide) / jnp.asarray(n, wide)).astype(dtype or g.dtype)
+    wide = finite_check.unscaled_dtype(np.dtype(g.dtype))  # float32, or float64
+    return (g.astype(wide) / jnp.asarray(n, wide)).astype(g.dtype if dtype is None else dtype)
 
   shares = jax.tree.map(local, grads)
   # One psum over the whole tree: XLA sends it as a single (tuple) all-reduce.

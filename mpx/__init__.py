@@ -12,6 +12,7 @@ import importlib as _importlib
 import typing as _typing
 
 from mpx._src.activations import ActivationStats as ActivationStats
+from mpx._src.all_reduce import all_reduce_gradients as all_reduce_gradients
 from mpx._src.audit import AuditReport as AuditReport
 from mpx._src.audit import MatmulOp as MatmulOp
 from mpx._src.audit import audit as audit
@@ -95,6 +96,7 @@ __all__ = (
   "TreeStructureError",
   "accumulate_in_float32",
   "all_finite",
+  "all_reduce_gradients",
   "apply_updates",
   "audit",
   "cast_tree",

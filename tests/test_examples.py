@@ -58,6 +58,7 @@ RUNS = {
     ["--steps", "8", "--accumulate", "2", "--log-every", "4"],
   ),
   "from_jmp": ("from_jmp.py", ["--steps", "12", "--period", "4", "--log-every", "4"]),
+  "multiprocess": ("multiprocess.py", ["--smoke"]),
   "from_flax_dynamic_scale": (
     "from_flax_dynamic_scale.py",
     ["--steps", "12", "--growth-interval", "3", "--log-every", "4"],
@@ -79,6 +80,7 @@ NEEDS = {
   "test_optax_pipeline_resumes_bitwise": lambda p: ["optax_pipeline"],
   "test_from_jmp": lambda p: ["from_jmp"],
   "test_from_flax_dynamic_scale": lambda p: ["from_flax_dynamic_scale"],
+  "test_multiprocess": lambda p: ["multiprocess"],
 }
 
 
@@ -247,3 +249,11 @@ def test_from_flax_dynamic_scale(runner):
   output = runner.output("from_flax_dynamic_scale")
   assert "the same loss, scale and skip decision at every step" in output
   assert _skipped_steps(output) > 0
+
+
+def test_multiprocess(runner):
+  # Two local processes (gloo): process 1's inf skips the step on both, params stay equal.
+  output = runner.output("multiprocess")
+  assert "2 processes, 4 devices" in output
+  assert "skipped on every process: True" in output
+  assert "params bitwise equal on every process" in output

@@ -107,8 +107,9 @@ def finite_after_unscale(
   plan = buckets(grads)
   totals = []
   for bucket in plan:
-    parts = [leaves[i].astype(unscaled_dtype(np.dtype(leaves[i].dtype))).ravel() for i in bucket]
-    x = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+    parts = [leaves[i].astype(unscaled_dtype(np.dtype(leaves[i].dtype))) for i in bucket]
+    # A leaf alone keeps its shape: raveling a column-sharded gradient would gather it.
+    x = parts[0] if len(parts) == 1 else jnp.concatenate([p.ravel() for p in parts])
     totals.append(jnp.sum(jnp.abs(x)).astype(jnp.float32))
   if not totals:
     return jnp.asarray(True), jnp.asarray(-1, jnp.int32)

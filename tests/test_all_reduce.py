@@ -1,0 +1,272 @@
+"""``mpx.all_reduce_gradients``: data-parallel gradient reduction in the compute dtype.
+
+In-process tests use ``jax.vmap`` with a named axis (the same collectives,
+traced on one device). The HLO, bytes and global-skip tests run a real
+``shard_map`` train step on 4 forced CPU devices in one subprocess.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpx
+
+F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.float16)
+
+
+def _reduce(grads, reduce_dtype):
+  return jax.vmap(
+    lambda g: mpx.all_reduce_gradients(g, "batch", reduce_dtype=reduce_dtype), axis_name="batch"
+  )(grads)
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, F32, BF16, F16], ids=str)
+@pytest.mark.parametrize("leaf_dtype", [F32, F16], ids=str)
+def test_matches_a_float32_numpy_mean(leaf_dtype, reduce_dtype):
+  rng = np.random.default_rng(0)
+  n = 4
+  # Scaled gradients: spread over many binades, and large enough that a float16
+  # sum without the division by n would overflow (4 * 30000 > 65504).
+  local = rng.standard_normal((n, 64)) * np.exp2(rng.integers(-12, 14, (n, 64)))
+  local[:, 0] = 30000.0
+  grads = {"w": jnp.asarray(local, leaf_dtype), "b": jnp.asarray(local[:, :3], leaf_dtype)}
+  out = jax.jit(_reduce, static_argnums=1)(grads, reduce_dtype)
+
+  wire = np.dtype(reduce_dtype or leaf_dtype)
+  for name, g in grads.items():
+    assert out[name].dtype == leaf_dtype  # back in the leaf's dtype
+    want = np.asarray(g, np.float64).mean(axis=0)
+    got = np.asarray(out[name], np.float64)
+    np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))  # same everywhere
+    # Each share rounds once to the wire dtype, each of the n - 1 additions once more,
+    # the result once to the leaf dtype: a few ulps of the wire dtype.
+    eps = float(jnp.finfo(wire).eps) + float(jnp.finfo(leaf_dtype).eps)
+    bound = (n + 1) * eps * np.abs(np.asarray(g, np.float64)).mean(axis=0)
+    assert np.all(np.isfinite(got[0]))
+    assert np.all(np.abs(got[0] - want) <= bound), (name, np.max(np.abs(got[0] - want) / bound))
+
+
+def test_without_a_reduce_dtype_it_is_the_exact_mean_for_a_power_of_two():
+  grads = {"w": jnp.arange(8.0, dtype=F32).reshape(4, 2)}
+  out = _reduce(grads, None)
+  np.testing.assert_array_equal(out["w"], np.broadcast_to([3.0, 4.0], (4, 2)))
+
+
+def test_an_inf_on_one_member_reaches_every_member():
+  grads = {"w": jnp.ones((4, 3), F32).at[2, 1].set(jnp.inf)}
+  out = _reduce(grads, F16)
+  assert not np.isfinite(np.asarray(out["w"][:, 1])).any()
+  np.testing.assert_array_equal(out["w"][:, 0], np.ones(4))
+
+
+def test_none_leaves_are_kept():
+  out = _reduce({"w": jnp.ones((2, 3)), "frozen": None}, BF16)
+  assert out["frozen"] is None and out["w"].shape == (2, 3)
+
+
+def test_non_floating_leaves_are_an_error_naming_the_leaf():
+  with pytest.raises(mpx.LeafTypeError, match="'step' has dtype int32"):
+    _reduce({"w": jnp.ones((2, 3)), "step": jnp.zeros(2, jnp.int32)}, BF16)
+
+
+def test_an_unknown_axis_is_an_error_naming_it():
+  with pytest.raises(mpx.ConfigError, match="axis_name='model' is not a mapped axis"):
+    jax.vmap(lambda g: mpx.all_reduce_gradients(g, "model"), axis_name="batch")(jnp.ones((2, 3)))
+  with pytest.raises(mpx.ConfigError, match=r"inside jax\.shard_map"):
+    mpx.all_reduce_gradients(jnp.ones(3), "data")
+
+
+def test_a_bad_reduce_dtype_is_an_error():
+  with pytest.raises(mpx.PolicyError, match="Unknown dtype name 'f8'"):
+    _reduce({"w": jnp.ones((2, 3))}, "f8")
+  with pytest.raises(mpx.PolicyError, match="not a dtype a precision policy can use"):
+    _reduce({"w": jnp.ones((2, 3))}, jnp.int8)
+
+
+_SCRIPT = textwrap.dedent(
+  """
+    import json, re
+    import jax, jax.numpy as jnp, numpy as np, optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import mpx
+
+    jax.config.update("jax_numpy_dtype_promotion", "strict")
+    n = jax.device_count()
+    assert n == 4, jax.devices()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
+    policy = mpx.get_policy("mixed_float16")  # float32 params, float16 compute
+    tx = mpx.mixed_precision(optax.sgd(0.1), policy, loss_scale="dynamic")
+    key = jax.random.key(0)
+    params = {
+        "w1": jax.random.normal(key, (32, 64)) * 0.1,
+        "b1": jnp.zeros(64),
+        "w2": jax.random.normal(jax.random.fold_in(key, 1), (64, 8)) * 0.1,
+    }
+    batch = {
+        "x": jax.random.normal(jax.random.fold_in(key, 2), (8 * n, 32)),
+        "y": jax.random.normal(jax.random.fold_in(key, 3), (8 * n, 8)),
+    }
+    batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+
+    def make_step(reduce_dtype):
+        def local_step(params, opt_state, batch):
+            def loss_fn(p):
+                p, x = policy.cast_to_compute((p, batch["x"]))
+                out = (jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]).astype(jnp.float32)
+                return jnp.mean((out - batch["y"]) ** 2)
+
+            # Varying params: each device takes its own gradients, reduced once below.
+            local = jax.lax.pcast(params, "data", to="varying")
+            loss, grads = mpx.value_and_grad(loss_fn, opt_state)(local)
+            if reduce_dtype == "pmean":
+                grads = jax.lax.pmean(grads, "data")
+            else:
+                grads = mpx.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
+            updates, opt_state = tx.update(grads, opt_state, params)
+            params = mpx.apply_updates(params, updates, opt_state)
+            # Every device's own copy, stacked, to show they agree.
+            mine = jax.tree.map(lambda x: x[None], (params, opt_state.loss_scale, opt_state.skipped_steps))
+            return params, opt_state, mine
+
+        return jax.jit(jax.shard_map(
+            local_step, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=(P(), P(), P("data"))))
+
+    SHAPE = re.compile(r"\\b(f16|bf16|f32|f64)\\[([0-9,]*)\\]")
+    BYTES = {"f16": 2, "bf16": 2, "f32": 4, "f64": 8}
+
+    def all_reduces(hlo):
+        # (dtype, bytes) of every all-reduce operand; the result shapes are the operands'.
+        found = []
+        for line in hlo.splitlines():
+            if "all-reduce(" not in line and "all-reduce-start(" not in line:
+                continue
+            result = line.split("=", 1)[1].split("all-reduce", 1)[0]
+            for dt, dims in SHAPE.findall(result):
+                found.append((dt, BYTES[dt] * int(np.prod([int(d) for d in dims.split(",") if d]))))
+        return found
+
+    state = tx.init(params)
+    report = {}
+    for name in ("pmean", "float32", "bfloat16", "float16"):
+        step = make_step(name)
+        lowered = step.lower(params, state, batch)
+        report[name] = {
+            "lowered": all_reduces(lowered.as_text(dialect="hlo")),
+            "compiled": all_reduces(lowered.compile().as_text()),
+        }
+
+    # Several finite steps, then an inf in device 2's rows of the batch only.
+    step = make_step("float16")
+    p, s = params, state
+    for _ in range(3):
+        p, s, mine = step(p, s, batch)
+    before = jax.device_get((p, s))
+    bad = dict(batch, x=batch["x"].at[2 * 8 + 3, 5].set(jnp.inf))
+    p2, s2, mine = step(p, s, bad)
+    mine = jax.device_get(mine)
+    after = jax.device_get((p2, s2))
+    report["skip"] = {
+        "skipped_per_device": mine[2].tolist(),
+        "scale_per_device": mine[1].tolist(),
+        "scale_before": float(before[1].loss_scale),
+        "rows_equal": all(
+            all(np.asarray(x[i]).tobytes() == np.asarray(x[0]).tobytes() for i in range(n))
+            for x in jax.tree.leaves(mine[0])
+        ),
+        "params_untouched": all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(before[0]), jax.tree.leaves(after[0]))
+        ),
+    }
+
+    # The reduction itself on 4 real devices, against a float64 NumPy mean.
+    rng = np.random.default_rng(0)
+    local = rng.standard_normal((n, 16, 8)) * np.exp2(rng.integers(-12, 14, (n, 16, 8)))
+    local[:, 0, 0] = 30000.0  # 4 * 30000 overflows float16 unless divided first
+    sharded = jax.device_put(jnp.asarray(local, jnp.float32), NamedSharding(mesh, P("data")))
+    report["numerics"] = {}
+    for dt in ("float16", "bfloat16"):
+        reduce = jax.jit(jax.shard_map(
+            lambda g: mpx.all_reduce_gradients(g[0], "data", reduce_dtype=dt),
+            mesh=mesh, in_specs=P("data"), out_specs=P()))
+        got = np.asarray(reduce(sharded), np.float64)
+        want = local.mean(axis=0)
+        eps = float(jnp.finfo(dt).eps) + float(jnp.finfo(jnp.float32).eps)
+        bound = (n + 1) * eps * np.abs(local).mean(axis=0)
+        report["numerics"][dt] = {
+            "finite": bool(np.isfinite(got).all()),
+            "worst_over_bound": float((np.abs(got - want) / bound).max()),
+        }
+
+    # Replicated params without pcast: JAX has already summed the gradients.
+    def already_summed(params, batch):
+        grads = jax.grad(lambda p: jnp.sum(batch["x"] @ p["w1"]))(params)
+        return mpx.all_reduce_gradients(grads, "data", reduce_dtype="float16")
+    try:
+        jax.jit(jax.shard_map(already_summed, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(params, batch)
+        report["invariant_error"] = None
+    except mpx.ConfigError as e:
+        report["invariant_error"] = str(e)
+    print(json.dumps(report))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def report():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=180
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _gradient_reductions(found):
+  # The gradients are the non-scalar all-reduces (the loss-scale check adds none here:
+  # the reduced gradients are already the same everywhere).
+  return [(dt, size) for dt, size in found if size > 4]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_the_program_reduces_the_gradients_in_the_half_dtype(report, dtype):
+  short = {"float16": "f16", "bfloat16": "bf16"}[dtype]
+  lowered = _gradient_reductions(report[dtype]["lowered"])
+  assert lowered and {dt for dt, _ in lowered} == {short}, lowered
+
+
+def test_the_compiled_float16_step_communicates_half_the_bytes_of_float32(report):
+  half = _gradient_reductions(report["float16"]["compiled"])
+  full = _gradient_reductions(report["float32"]["compiled"])
+  assert {dt for dt, _ in half} == {"f16"} and {dt for dt, _ in full} == {"f32"}, (half, full)
+  # The same gradients, half the bytes; pmean and a float32 reduce_dtype send the same.
+  assert sum(s for _, s in half) * 2 == sum(s for _, s in full)
+  assert sorted(report["pmean"]["compiled"]) == sorted(report["float32"]["compiled"])
+
+
+def test_gradients_shard_map_already_summed_are_an_error_naming_the_fix(report):
+  message = report["invariant_error"]
+  assert message is not None
+  assert "'b1' does not vary along 'data'" in message
+  assert "jax.lax.pcast(params, 'data', to='varying')" in message
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_on_four_devices_it_matches_a_numpy_mean(report, dtype):
+  numerics = report["numerics"][dtype]
+  assert numerics["finite"]  # the division before the sum keeps float16 in range
+  assert numerics["worst_over_bound"] <= 1.0
+
+
+def test_an_inf_in_one_devices_batch_skips_the_step_on_every_device(report):
+  skip = report["skip"]
+  assert skip["skipped_per_device"] == [1, 1, 1, 1]
+  assert skip["scale_per_device"] == [skip["scale_before"] / 2] * 4
+  assert skip["rows_equal"] and skip["params_untouched"]

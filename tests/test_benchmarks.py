@@ -58,9 +58,7 @@ STANDARD = "standard"
 
 # The "_params_donated" candidates compile the step of the candidate they are named after
 # with fewer donated buffers; the suite leaves them to the benchmark itself.
-MEASURED = [
-  c.name for c in bench.make_candidates(CONFIG) if not c.name.endswith("_params_donated")
-]
+MEASURED = [c.name for c in bench.make_candidates(CONFIG) if not c.name.endswith("_params_donated")]
 
 
 @pytest.fixture(scope="module")

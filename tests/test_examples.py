@@ -225,7 +225,9 @@ def test_mnist_float16_statistics_and_rng_advance_as_in_float32(script, runner):
 
 
 def _skipped_steps(output: str) -> int:
-  return int(re.search(r"^(\d+) skipped steps in both", output, re.MULTILINE).group(1))
+  match = re.search(r"^(\d+) skipped steps in both", output, re.MULTILINE)
+  assert match, output
+  return int(match.group(1))
 
 
 def test_nnx_transformer(runner):

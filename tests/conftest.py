@@ -1,6 +1,19 @@
-"""Test settings: strict dtype promotion, so a silent float32 upcast is an error."""
+"""Test settings: strict dtype promotion, so a silent float32 upcast is an error.
 
-import jax
+Compiling dominates the suite's time on CPU, so LLVM's backend optimisations
+are off (``--xla_backend_optimization_level=0``, as the docs pages and the
+demo's ``--quick`` run): the HLO programs, fusions and cost figures are
+XLA's own and unchanged, and without fast-math flags LLVM's optimisations
+change no floating-point result.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+  [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
+).strip()
+
+import jax  # after XLA_FLAGS, which the backend reads when it starts
 import pytest
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -112,6 +112,43 @@ def _configure_fp8(module: nn.Module, recipe: fp8_lib.Fp8Recipe, fields: set[str
     _set_field(module, "dot_general", functools.partial(fp8_lib.fp8_dot_general, recipe=recipe))
 
 
+def _fp8_einsum_call(
+  module: Any, recipe: fp8_lib.Fp8Recipe, inputs: jax.Array, einsum_str: str | None = None
+) -> jax.Array:
+  """The body of ``nn.Einsum.__call__`` with its contraction through :func:`mpx.fp8_dot_general`."""
+  einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str)
+  einsum_str = einsum_str.replace(" ", "")
+  if "->" not in einsum_str or einsum_str.count(",") != 1:
+    raise errors.ConfigError(
+      f"nn.Einsum needs an explicit two-operand equation such as 'bd,dk->bk', got {einsum_str!r}."
+    )
+  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+  bias = None
+  if module.use_bias:
+    bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  if recipe.delayed:
+    state = tuple(
+      module.variable(FP8_COLLECTION, name, fp8_lib.init_history, recipe).value
+      for name in ("lhs", "rhs", "grad")
+    )
+  else:
+    state = None
+  dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe, state=state)
+  y = jnp.einsum(
+    einsum_str,
+    inputs,
+    kernel,
+    precision=module.precision,
+    preferred_element_type=module.preferred_element_type,
+    _dot_general=dot,
+  )
+  if bias is not None:
+    y += jnp.reshape(bias, broadcast_shape)
+  return y
+
+
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
   # Flax's initializers sample in the param dtype: float16 samples are a different
   # random stream from float32 ones, not their rounding.
@@ -247,6 +284,10 @@ class PolicyModel:
         depth[key] = 0
       # Only the outermost method call of a layer casts (a method calling
       # another of the same layer stays inside it), and setup never does.
+      recipe = layers.policy_at(module).fp8
+      if recipe is not None and type(module) is nn.Einsum and context.method_name == "__call__":
+        # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
+        next_fun = functools.partial(_fp8_einsum_call, module, recipe)
       boundary = layers.boundary(module)
       if boundary is None or context.method_name == "setup" or depth[key]:
         return next_fun(*f_args, **f_kwargs)

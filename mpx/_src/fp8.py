@@ -67,6 +67,11 @@ class Fp8Recipe:
       are reduced with ``jax.lax.pmax``, so that devices sharing a tensor
       share its scale; under ``jit`` with shardings the amax of a sharded
       tensor is already global and this stays ``None``.
+    attention: also run the two matmuls of attention layers (scores and
+      weighted values) in float8, with current scaling whatever ``scaling``
+      says (their operands are activations, fresh each call). Needs
+      ``KeepRules.softmax_in_float32`` (mpx's attention function); the
+      softmax between them stays float32.
 
   Raises:
     PolicyError: an unknown scaling or reduction, a history length below 1,
@@ -83,6 +88,7 @@ class Fp8Recipe:
   reduction: str = "max"
   margin: int = 0
   axis_name: str | None = None
+  attention: bool = False
 
   def __post_init__(self) -> None:
     if self.scaling not in _SCALINGS:
@@ -113,7 +119,12 @@ class Fp8Recipe:
       text += f":history={self.history_length}:reduction={self.reduction}"
     if self.delayed or self.margin:
       text += f":margin={self.margin}"
-    return text + (f":axis={self.axis_name}" if self.axis_name else "")
+    text += f":axis={self.axis_name}" if self.axis_name else ""
+    return text + (":attention" if self.attention else "")
+
+  def for_attention(self) -> Fp8Recipe:
+    """The current-scaling recipe of attention matmuls (same margin and axis)."""
+    return dataclasses.replace(self, scaling="current", attention=False)
 
 
 _RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin": "margin"}
@@ -135,12 +146,15 @@ def parse_recipe(spec: str) -> Fp8Recipe:
   scaling, *parts = spec.strip().split(":")
   fields: dict[str, Any] = {"scaling": scaling}
   for part in parts:
+    if part == "attention":
+      fields["attention"] = True
+      continue
     key, sep, value = part.partition("=")
     if not sep or key not in (*_RECIPE_KEYS, "axis"):
       raise errors.PolicyError(
         f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write "
-        "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>' "
-        "(every part optional) or 'current'."
+        "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
+        "(every part optional) or 'current' (with margin, axis, attention)."
       )
     if key == "axis":
       fields["axis_name"] = value

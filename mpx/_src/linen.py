@@ -101,6 +101,10 @@ _REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumula
 
 def _configure_fp8(module: nn.Module, recipe: fp8_lib.Fp8Recipe, fields: set[str]) -> None:
   """Gives a ``Dense`` / ``DenseGeneral`` copy a float8 ``dot_general`` (left alone if customised)."""
+  if recipe.attention and getattr(module, "attention_fn", None) is kernels.dot_product_attention:
+    dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe.for_attention())
+    fn = functools.partial(kernels.dot_product_attention, dot_general=dot)
+    _set_field(module, "attention_fn", fn)
   if not {"dot_general", "dot_general_cls"} <= fields or module.dot_general_cls is not None:  # pyright: ignore[reportAttributeAccessIssue]
     return
   if module.dot_general not in _REPLACEABLE_DOTS:  # pyright: ignore[reportAttributeAccessIssue]

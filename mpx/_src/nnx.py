@@ -103,6 +103,10 @@ _REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumula
 def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
   """Gives a ``Linear``, ``LinearGeneral`` or ``Einsum`` a float8 contraction (not if customised)."""
   fields = vars(module)
+  if recipe.attention and fields.get("attention_fn") is kernels.dot_product_attention:
+    dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe.for_attention())
+    fn = functools.partial(kernels.dot_product_attention, dot_general=dot)
+    module.attention_fn = fn  # pyright: ignore[reportAttributeAccessIssue]
   if "dot_general" in fields and fields["dot_general"] in _REPLACEABLE_DOTS:
     if fields.get("dot_general_cls") is not None:
       return
@@ -292,17 +296,18 @@ def apply_policy(
     lean_norm_kinds=_LEAN_NORM_KINDS,
   )
   for module in modules.values():
-    if layers.policy_at(module).fp8 is not None:
-      _configure_fp8(module, layers.policy_at(module).fp8)  # pyright: ignore[reportArgumentType]
+    policy_here = layers.policy_at(module)
     layer_policy.configure_layer(
       module,
-      layers.policy_at(module),
+      policy_here,
       rules,
       accumulate_in_float32=accumulate_in_float32,
       fields=set(vars(module)),
       default_attention=nnx.dot_product_attention,
       set_field=setattr,
     )
+    if policy_here.fp8 is not None:
+      _configure_fp8(module, policy_here.fp8)
     boundary = layers.boundary(module)
     lean = layers.lean_norm(module, _flax_class(module))
     if getattr(module, "promote_dtype", nnx_dtypes.promote_dtype) is not nnx_dtypes.promote_dtype:

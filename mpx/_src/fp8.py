@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import errors, kernels
+from mpx._src import errors
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 E5M2 = np.dtype(jnp.float8_e5m2)
@@ -305,9 +305,10 @@ def _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)
   lhs_scale, rhs_scale = _scales(recipe, histories, amaxes, E4M3)
   lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
   a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
-  out = jax.lax.dot_general(
-    a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
-  ).astype(out_dtype)
+  # No preferred_element_type: cuBLASLt's float8 GEMMs accumulate in float32 (their
+  # only compute type), as XLA:CPU does for bfloat16 products, which it cannot run
+  # with a float32 result for every layout.
+  out = _plain_dot(dimension_numbers, precision)(a, b).astype(out_dtype)
   # The float8 operands are the residuals: a quarter of float32's bytes, and the
   # backward products dequantise them again, in the form XLA recognises.
   residuals = (lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states)
@@ -323,10 +324,8 @@ def _fp8_dot_bwd(recipe, dimension_numbers, precision, dtypes, residuals, g):
   g_dq = dequantize(quantize(g, E5M2, g_scale), g_scale, g.dtype)
   a, b = dequantize(lhs_q, lhs_scale, lhs_dtype), dequantize(rhs_q, rhs_scale, rhs_dtype)
 
-  def transposed(a: jax.Array, b: jax.Array, g: jax.Array) -> Any:
-    return jax.vjp(_plain_dot(dimension_numbers, precision), a, b)[1](g)
-
-  ga, gb = kernels.eval_accumulating(jax.make_jaxpr(transposed)(a, b, g_dq), a, b, g_dq)
+  product, pullback = jax.vjp(_plain_dot(dimension_numbers, precision), a, b)
+  ga, gb = pullback(g_dq.astype(product.dtype))
   if states is None:
     return ga, gb, None
   observed = [*amaxes, g_amax]
@@ -350,10 +349,12 @@ def fp8_dot_general(
   """``jax.lax.dot_general`` with float8 operands: E4M3 forward, E5M2 gradients, float32 sums.
 
   Both operands are quantised to E4M3 with per-tensor scales and dequantised
-  right before the product, which accumulates in float32 and is rounded to
-  the output dtype. In the backward pass the incoming gradient is quantised
-  to E5M2 the same way and both backward products take the saved E4M3
-  operands, also accumulating in float32. This is the quantise-dequantise
+  right before the product. In the backward pass the incoming gradient is
+  quantised to E5M2 the same way and both backward products take the saved
+  E4M3 operands. The products are requested in the operands' dtype:
+  cuBLASLt's float8 GEMMs accumulate in float32 (their only compute type)
+  and round once to that dtype, and XLA:CPU computes bfloat16 products in
+  float32 as well. This is the quantise-dequantise
   form that XLA:GPU rewrites into cuBLASLt float8 GEMMs on Hopper and Ada
   GPUs; elsewhere it computes the same float8-rounded products.
 

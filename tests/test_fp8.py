@@ -354,3 +354,38 @@ def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
   chex.assert_trees_all_equal(restored, history)
   chex.assert_trees_all_equal_shapes_and_dtypes(restored, history)
   assert any(float(h[1]) > 0 for h in jax.tree.leaves(restored))
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
+  from mpx.demo._cli import DEFAULT
+  from mpx.demo._model import CharTransformer
+
+  recipe = mpx.Fp8Recipe("delayed", attention=attention)
+  policy = mpx.Policy("float32", "bfloat16", "float32", fp8=recipe)
+  model = mpx.linen.apply_policy(CharTransformer(DEFAULT.model), policy, rules=HEAD)
+  tokens = jax.ShapeDtypeStruct((DEFAULT.batch_size, DEFAULT.model.max_len + 1), jnp.int32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+  tx = optax.sgd(0.1)
+
+  def train_step(params, history, opt_state, windows):
+    def loss(params, history):
+      variables = {"params": params, mpx.linen.FP8_COLLECTION: history}
+      logits = model.apply(variables, windows[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+    grads, observed = jax.grad(loss, argnums=(0, 1))(params, history)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    history = mpx.update_fp8_state(history, observed)
+    return optax.apply_updates(params, updates), history, opt_state
+
+  opt_state = jax.eval_shape(tx.init, params)
+  report = mpx.audit(train_step, params, history, opt_state, tokens, policy=policy)
+  for part in (report.filter(backward=False), report.filter(backward=True)):
+    share = part.fp8_flops_share
+    assert share >= (0.9 if attention else 0.75), str(part)
+  # The rest: the logits projection (a keep rule) and, unless the recipe covers
+  # them, attention's two activation-by-activation products.
+  rest = {op.module_path.split("/")[-1] for op in report.ops if not op.is_fp8}
+  assert rest == ({"head"} if attention else {"head", "MultiHeadDotProductAttention_0"})

@@ -79,8 +79,8 @@ class Fp8Recipe:
 
   Example:
     >>> import mpx
-    >>> print(mpx.Fp8Recipe("delayed", history_length=16))
-    delayed:history=16:reduction=max:margin=0
+    >>> print(mpx.Fp8Recipe("delayed", history_length=1024, reduction="most_recent"))
+    delayed:history=1024:reduction=most_recent
   """
 
   scaling: str = "current"
@@ -114,13 +114,17 @@ class Fp8Recipe:
     return self.scaling == "delayed"
 
   def __str__(self) -> str:
-    text = self.scaling
-    if self.delayed:
-      text += f":history={self.history_length}:reduction={self.reduction}"
-    if self.delayed or self.margin:
-      text += f":margin={self.margin}"
-    text += f":axis={self.axis_name}" if self.axis_name else ""
-    return text + (":attention" if self.attention else "")
+    # Only what differs from the defaults, so that a preset prints as written.
+    parts = [self.scaling]
+    defaults = Fp8Recipe(self.scaling)
+    if self.delayed and self.history_length != defaults.history_length:
+      parts.append(f"history={self.history_length}")
+    if self.delayed and self.reduction != defaults.reduction:
+      parts.append(f"reduction={self.reduction}")
+    parts += [f"margin={self.margin}"] if self.margin else []
+    parts += [f"axis={self.axis_name}"] if self.axis_name else []
+    parts += ["attention"] if self.attention else []
+    return ":".join(parts)
 
   def for_attention(self) -> Fp8Recipe:
     """The current-scaling recipe of attention matmuls (same margin and axis)."""
@@ -256,7 +260,7 @@ def quantize_dequantize(
     >>> import jax.numpy as jnp, mpx
     >>> x = jnp.array([1.0, 0.3, -500.0])
     >>> mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=jnp.float32(1.0))
-    Array([   1.    ,    0.3125, -448.    ], dtype=float32)
+    Array([ 1.000e+00,  3.125e-01, -4.480e+02], dtype=float32)
   """
   if scale is None:
     scale = scale_for(amax(x), dtype, margin=margin)

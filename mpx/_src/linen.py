@@ -127,7 +127,7 @@ def _fp8_einsum_call(
       f"nn.Einsum needs an explicit two-operand equation such as 'bd,dk->bk', got {einsum_str!r}."
     )
   kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
-  bias = None
+  bias, broadcast_shape = None, None
   if module.use_bias:
     bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
     bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
@@ -149,7 +149,7 @@ def _fp8_einsum_call(
     _dot_general=dot,
   )
   if bias is not None:
-    y += jnp.reshape(bias, broadcast_shape)
+    y += jnp.reshape(bias, broadcast_shape)  # pyright: ignore[reportArgumentType]
   return y
 
 

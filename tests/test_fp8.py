@@ -394,3 +394,24 @@ def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
   # them, attention's two activation-by-activation products.
   rest = {op.module_path.split("/")[-1] for op in report.ops if not op.is_fp8}
   assert rest == ({"head"} if attention else {"head", "MultiHeadDotProductAttention_0"})
+
+
+def test_nnx_histories_update_through_nnx_grad_and_nnx_update():
+  model = mpx.nnx.apply_policy(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), "mixed_float8_delayed")
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  x = jnp.full((4, 16), 3.0)
+  wrt = nnx.DiffState(0, nnx.Any(nnx.Param, mpx.nnx.Fp8History))
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=wrt)(model)
+    param_grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
+    optimizer.update(model, param_grads)
+    history = nnx.state(model, mpx.nnx.Fp8History)
+    nnx.update(model, mpx.update_fp8_state(history, observed))
+
+  for _ in range(2):
+    step(model, optimizer, x)
+  lhs = model.dot_general.lhs[...]  # pyright: ignore[reportAttributeAccessIssue]
+  np.testing.assert_array_equal(np.asarray(lhs[:4]), [0.0, 3.0, 3.0, 0.0])  # two commits of 3
+  assert isinstance(model.dot_general, mpx.nnx.Fp8DotGeneral)

@@ -407,6 +407,14 @@ def apply_policy(
     versions (see :func:`mpx.accumulate_in_float32`), with
     ``accumulate_in_float32=True``, for the layers that have these fields
     (``Dense``, ``DenseGeneral``, ``Conv``...) and leave them at JAX's own.
+  * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``): ``Dense``,
+    ``DenseGeneral`` and ``Einsum`` layers left at Flax's default contraction
+    compute it with float8 operands (:func:`mpx.fp8_dot_general`, see
+    ``docs/fp8.md``); with delayed scaling, ``dot_general_cls`` <-
+    :class:`mpx.linen.Fp8DotGeneral`, whose amax histories live in the
+    ``"fp8_history"`` collection. ``Einsum``, which has no such knob, runs its
+    body in mpx with the same params. Layers a keep rule gives a policy
+    without ``fp8`` keep their dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype

@@ -214,6 +214,14 @@ def apply_policy(
   * Floating ``nnx.Param`` values are cast to their layer's param dtype. Other
     variables (``BatchStat``, caches, RNG state) are left alone, so the
     statistics of a norm kept in float32 stay float32.
+  * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``):
+    ``Linear``, ``LinearGeneral`` and ``Einsum`` layers left at Flax's default
+    contraction compute it with float8 operands (:func:`mpx.fp8_dot_general`,
+    see ``docs/fp8.md``); with delayed scaling, ``dot_general`` /
+    ``einsum_op`` <- an :class:`mpx.nnx.Fp8DotGeneral` /
+    :class:`mpx.nnx.Fp8Einsum` holding :class:`mpx.nnx.Fp8History`
+    variables. Layers a keep rule gives a policy without ``fp8`` keep their
+    dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype

@@ -159,17 +159,25 @@ def test_delayed_state_gradient_is_the_observed_amax():
 def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
   recipe = mpx.Fp8Recipe("delayed", history_length=3, reduction=reduction, margin=margin)
   history = jnp.array([5e4, 100.0, 1000.0, 10.0])  # the pending slot is never read
-  scale = fp8_lib._history_scale(history, jnp.float32(1.0), fp8_lib.E4M3, recipe)
+  scale = fp8_lib._history_scale(history, fp8_lib.E4M3, recipe)
   assert float(scale) == float(fp8_lib.scale_for(jnp.float32(expected_amax), fp8_lib.E4M3))
   with_margin = dataclasses.replace(recipe, margin=2)
-  scale2 = fp8_lib._history_scale(history, jnp.float32(1.0), fp8_lib.E4M3, with_margin)
-  assert float(scale2) == 4 * float(scale)
+  assert float(fp8_lib._history_scale(history, fp8_lib.E4M3, with_margin)) == 4 * float(scale)
 
 
-def test_empty_history_falls_back_to_current_scaling():
-  recipe = mpx.Fp8Recipe("delayed", history_length=3)
-  scale = fp8_lib._history_scale(jnp.zeros(4), jnp.float32(3e4), fp8_lib.E4M3, recipe)
-  assert float(scale) == float(fp8_lib.scale_for(jnp.float32(3e4), fp8_lib.E4M3))
+def test_delayed_scale_ignores_the_current_tensor():
+  # An empty history gives scale 1: a value beyond E4M3's max saturates this step,
+  # and is recorded for the next one. Current scaling would have fitted it.
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
+  rhs = jnp.ones((2, 1), jnp.float32)
+  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
+  current = mpx.fp8_dot_general(lhs, rhs, DIMS)
+  assert float(delayed[0, 0]) == 448.0 + 1.0
+  assert float(current[0, 0]) == 960.0 + 1.0
+  filled = (jnp.array([0.0, 960.0, 0.0]), state[1], state[2])
+  assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
 
 
 def test_update_rolls_commits_and_keeps_a_running_max():

@@ -46,12 +46,13 @@ class Fp8Recipe:
   * ``"current"`` scaling: each tensor's scale comes from its own amax,
     measured just before it is quantised. No state; one extra reduction over
     every operand (and over every gradient in the backward pass).
-  * ``"delayed"`` scaling (Micikevicius et al. 2022, section 4.3; NVIDIA
-    Transformer Engine's default): the scale comes from the amaxes recorded
-    in earlier steps, ``max`` over the last ``history_length`` or the
-    ``most_recent`` one; the current amax is only recorded. The history is
-    state (see :func:`update_fp8_state`); while it is empty (the first step)
-    the current amax is used.
+  * ``"delayed"`` scaling (the recipe of NVIDIA Transformer Engine's
+    ``DelayedScaling``): the scale comes from the amaxes recorded in earlier
+    steps, ``max`` over the last ``history_length`` or the ``most_recent``
+    one; the current amax is only recorded, so quantising does not wait for
+    it. The history is state (see :func:`update_fp8_state`); while it is
+    empty (the first optimizer step) the scale is 1, as in Transformer
+    Engine, and small gradients of that step may round to zero in E5M2.
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
@@ -267,13 +268,15 @@ def quantize_dequantize(
   return dequantize(quantize(x, dtype, scale), scale, x.dtype)
 
 
-def _history_scale(
-  history: jax.Array, current: jax.Array, dtype: Any, recipe: Fp8Recipe
-) -> jax.Array:
-  """The delayed scale from ``[pending, most recent, ..., oldest]``; ``current`` while it is empty."""
+def _history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while it is empty.
+
+  It depends on the history alone, never on the tensor being quantised, so the
+  quantisation need not wait for that tensor's amax (XLA can compute the amax
+  in the same pass that quantises).
+  """
   committed = history[1:]
   reference = jnp.max(committed) if recipe.reduction == "max" else committed[0]
-  reference = jnp.where(reference > 0, reference, current)
   return scale_for(reference, dtype, margin=recipe.margin)
 
 
@@ -287,7 +290,7 @@ def _scales(
 ) -> list[jax.Array]:
   if states is None:
     return [scale_for(a, dtype, margin=recipe.margin) for a in amaxes]
-  return [_history_scale(h, a, dtype, recipe) for h, a in zip(states, amaxes, strict=True)]
+  return [_history_scale(h, dtype, recipe) for h in states]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -309,10 +312,13 @@ def _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)
   lhs_scale, rhs_scale = _scales(recipe, histories, amaxes, E4M3)
   lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
   a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
-  # No preferred_element_type: cuBLASLt's float8 GEMMs accumulate in float32 (their
-  # only compute type), as XLA:CPU does for bfloat16 products, which it cannot run
-  # with a float32 result for every layout.
-  out = _plain_dot(dimension_numbers, precision)(a, b).astype(out_dtype)
+  # The product in the operands' dtype unless a wider one was asked for: cuBLASLt's
+  # float8 GEMMs accumulate in float32 (their only compute type), as XLA:CPU does for
+  # bfloat16 products, which it cannot return in float32 for every layout.
+  preferred = out_dtype if out_dtype != np.dtype(lhs.dtype) else None
+  out = jax.lax.dot_general(
+    a, b, dimension_numbers, precision=precision, preferred_element_type=preferred
+  ).astype(out_dtype)
   # The float8 operands are the residuals: a quarter of float32's bytes, and the
   # backward products dequantise them again, in the form XLA recognises.
   residuals = (lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states)

@@ -468,3 +468,21 @@ def test_sharded_jit_reduces_the_amax_over_all_devices():
     check=False,
   )
   assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_audit_recognises_a_hand_written_quantise_dequantise():
+  def f(x, w):
+    scale = jnp.asarray(2.0, jnp.bfloat16)
+    xq = x.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16) * scale
+    wq = jnp.transpose(w.astype(jnp.float8_e5m2).astype(jnp.bfloat16))  # layout ops pass
+    return xq @ wq.T, x @ w, xq @ w
+
+  x = jnp.ones((16, 32), jnp.bfloat16)
+  report = mpx.audit(f, x, jnp.ones((32, 16), jnp.bfloat16))
+  both, neither, one = report.ops
+  assert [f.name for f in both.fp8] == ["float8_e4m3fn", "float8_e5m2"] and both.is_fp8  # pyright: ignore[reportOptionalMemberAccess]
+  assert both.operand_class == "fp8" and report.flags(both)[-1] == "fp8:e4m3fn,e5m2"
+  assert neither.fp8 == (None, None) and not neither.is_fp8 and neither.operand_class == "half"
+  assert not one.is_fp8 and report.flags(one)[-1] == "fp8:e4m3fn,-"
+  assert report.fp8_flops_share == pytest.approx(1 / 3)
+  assert "(33.3% float8)" in report.summary()

@@ -176,7 +176,7 @@ def dot_product_attention(
 _MATMULS = (jex.primitives.dot_general_p, jex.primitives.conv_general_dilated_p)
 
 
-def eval_accumulating(closed: jex.ClosedJaxpr, *args: Any) -> list[Any]:
+def _eval_accumulating(closed: jex.ClosedJaxpr, *args: Any) -> list[Any]:
   """Evaluates a jaxpr with every matmul/conv accumulating in float32."""
   env: dict[Any, Any] = {}
 
@@ -230,7 +230,7 @@ def accumulate_in_float32(op: Callable[..., jax.Array]) -> Callable[..., jax.Arr
 
     @jax.custom_vjp
     def product(a: jax.Array, b: jax.Array) -> jax.Array:
-      return eval_accumulating(jax.make_jaxpr(plain)(a, b), a, b)[0]
+      return _eval_accumulating(jax.make_jaxpr(plain)(a, b), a, b)[0]
 
     def fwd(a: jax.Array, b: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
       return product(a, b), (a, b)
@@ -240,7 +240,7 @@ def accumulate_in_float32(op: Callable[..., jax.Array]) -> Callable[..., jax.Arr
         return jax.vjp(plain, a, b)[1](g)
 
       a, b = res
-      ga, gb = eval_accumulating(jax.make_jaxpr(transposed)(a, b, g), a, b, g)
+      ga, gb = _eval_accumulating(jax.make_jaxpr(transposed)(a, b, g), a, b, g)
       return ga, gb
 
     product.defvjp(fwd, bwd)

@@ -169,14 +169,15 @@ def test_delayed_scale_ignores_the_current_tensor():
   # An empty history gives scale 1: a value beyond E4M3's max saturates this step,
   # and is recorded for the next one. Current scaling would have fitted it.
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  empty = fp8_lib.init_history(recipe)
+  state = (empty, empty, empty)
   lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
   rhs = jnp.ones((2, 1), jnp.float32)
   delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
   current = mpx.fp8_dot_general(lhs, rhs, DIMS)
   assert float(delayed[0, 0]) == 448.0 + 1.0
   assert float(current[0, 0]) == 960.0 + 1.0
-  filled = (jnp.array([0.0, 960.0, 0.0]), state[1], state[2])
+  filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
   assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
 
 
@@ -419,9 +420,9 @@ def test_nnx_histories_update_through_nnx_grad_and_nnx_update():
 
   for _ in range(2):
     step(model, optimizer, x)
-  lhs = model.dot_general.lhs[...]  # pyright: ignore[reportAttributeAccessIssue]
-  np.testing.assert_array_equal(np.asarray(lhs[:4]), [0.0, 3.0, 3.0, 0.0])  # two commits of 3
-  assert isinstance(model.dot_general, mpx.nnx.Fp8DotGeneral)
+  dot = vars(model)["dot_general"]
+  assert isinstance(dot, mpx.nnx.Fp8DotGeneral)
+  np.testing.assert_array_equal(np.asarray(dot.lhs[...][:4]), [0.0, 3.0, 3.0, 0.0])  # two commits
 
 
 _SHARDED = """

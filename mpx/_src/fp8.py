@@ -294,7 +294,15 @@ def _scales(
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fp8_dot(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states):
+def _fp8_dot(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  lhs: jax.Array,
+  rhs: jax.Array,
+  states: tuple[jax.Array, ...] | None,
+) -> jax.Array:
   return _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)[0]
 
 
@@ -305,7 +313,15 @@ def _plain_dot(dimension_numbers: Any, precision: Any) -> Any:
   return dot
 
 
-def _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states):
+def _fp8_dot_fwd(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  lhs: jax.Array,
+  rhs: jax.Array,
+  states: tuple[jax.Array, ...] | None,
+) -> tuple[jax.Array, Any]:
   out_dtype = dtypes[2]
   amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
   histories = None if states is None else states[:2]
@@ -325,7 +341,14 @@ def _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)
   return out, residuals
 
 
-def _fp8_dot_bwd(recipe, dimension_numbers, precision, dtypes, residuals, g):
+def _fp8_dot_bwd(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  residuals: Any,
+  g: jax.Array,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
   lhs_dtype, rhs_dtype, _ = dtypes
   lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states = residuals
   g_amax = amax(g, recipe.axis_name)

@@ -26,6 +26,11 @@ from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
 from mpx._src.finite_check import all_finite as all_finite
+from mpx._src.fp8 import Fp8Recipe as Fp8Recipe
+from mpx._src.fp8 import accumulation_boundary as accumulation_boundary
+from mpx._src.fp8 import fp8_dot_general as fp8_dot_general
+from mpx._src.fp8 import quantize_dequantize as quantize_dequantize
+from mpx._src.fp8 import update_fp8_state as update_fp8_state
 from mpx._src.histogram import MagnitudeHistogram as MagnitudeHistogram
 from mpx._src.histogram import magnitude_histogram as magnitude_histogram
 from mpx._src.kahan import KahanState as KahanState
@@ -76,6 +81,7 @@ __all__ = (
   "ActivationStats",
   "AuditReport",
   "ConfigError",
+  "Fp8Recipe",
   "KahanState",
   "KeepRules",
   "LeafTypeError",
@@ -95,6 +101,7 @@ __all__ = (
   "StochasticRoundingState",
   "TreeStructureError",
   "accumulate_in_float32",
+  "accumulation_boundary",
   "all_finite",
   "all_reduce_gradients",
   "apply_updates",
@@ -104,6 +111,7 @@ __all__ = (
   "check_state",
   "dot_product_attention",
   "dynamic_loss_scale",
+  "fp8_dot_general",
   "get_loss_scale",
   "get_policy",
   "linen",
@@ -116,12 +124,14 @@ __all__ = (
   "plot_flushed_heatmap",
   "plot_loss_scale",
   "plot_magnitude_histogram",
+  "quantize_dequantize",
   "range_report",
   "recommend_scale",
   "scale",
   "softmax",
   "static_loss_scale",
   "unscale",
+  "update_fp8_state",
   "value_and_grad",
   "with_kahan_summation",
   "with_master_params",

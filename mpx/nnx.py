@@ -8,12 +8,18 @@ default.
 """
 
 from mpx._src.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
+from mpx._src.nnx import Fp8DotGeneral as Fp8DotGeneral
+from mpx._src.nnx import Fp8Einsum as Fp8Einsum
+from mpx._src.nnx import Fp8History as Fp8History
 from mpx._src.nnx import apply_policy as apply_policy
 from mpx._src.nnx_diagnostics import collect_activations as collect_activations
 from mpx._src.nnx_diagnostics import locate_nonfinite as locate_nonfinite
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
+  "Fp8DotGeneral",
+  "Fp8Einsum",
+  "Fp8History",
   "apply_policy",
   "collect_activations",
   "locate_nonfinite",

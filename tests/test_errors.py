@@ -16,7 +16,9 @@ from mpx._src import errors
 from mpx._src import tree as tree_lib
 
 F32 = jnp.float32
-PRESET_LIST = "float32, mixed_bfloat16, mixed_float16, bfloat16, float16"
+PRESET_LIST = (
+  "float32, mixed_bfloat16, mixed_float16, bfloat16, float16, mixed_float8, mixed_float8_delayed"
+)
 NAME_LIST = "float32, f32, full, single, fp32, bfloat16, bf16, float16, f16, half, fp16"
 
 

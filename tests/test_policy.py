@@ -72,6 +72,8 @@ def test_presets_table_is_what_the_docs_say():
     "mixed_float16",
     "bfloat16",
     "float16",
+    "mixed_float8",
+    "mixed_float8_delayed",
   }
 
 
@@ -282,8 +284,9 @@ def test_replacing_a_dtype_returns_a_copy(replace, field, new):
   assert copy is not policy
   assert getattr(copy, field) == BF16
   assert policy == mpx.get_policy("float32"), "the original must not change"
-  others = {f.name for f in dataclasses.fields(policy)} - {field}
+  others = {f.name for f in dataclasses.fields(policy)} - {field, "fp8"}
   assert all(getattr(copy, f) == F32 for f in others)
+  assert copy.fp8 is None
 
 
 def test_float16_params_are_allowed_without_a_warning():

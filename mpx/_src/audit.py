@@ -54,6 +54,10 @@ class MatmulOp:
     is_backward: whether the op belongs to a transposed (backward) computation.
     count: how many static call sites execute the op (see the module notes).
     misaligned: the ``gemm_dims`` that are not multiples of 8, as ``("N=10",)``.
+    fp8: per operand, the float8 format it was dequantised from just before
+      the op (``convert`` from float8, times a scale: the form XLA:GPU
+      rewrites into a float8 GEMM, see :func:`mpx.fp8_dot_general`), else
+      ``None``.
   """
 
   kind: str
@@ -75,6 +79,15 @@ class MatmulOp:
   is_backward: bool
   count: int
   misaligned: tuple[str, ...]
+  fp8: tuple[np.dtype | None, ...] = (None, None)
+
+  @property
+  def is_fp8(self) -> bool:
+    """Whether both operands are float8: dequantised float8 tensors, or float8 arrays themselves."""
+    return all(
+      f is not None or (dtypes_lib.is_floating(d) and d.itemsize == 1)
+      for f, d in zip(self.fp8, (self.lhs_dtype, self.rhs_dtype), strict=True)
+    )
 
   @property
   def is_half(self) -> bool:
@@ -115,12 +128,12 @@ class MatmulOp:
     dtypes = (self.lhs_dtype, self.rhs_dtype)
     if any(d.itemsize >= 8 and dtypes_lib.is_floating(d) for d in dtypes):
       return "float64"
+    if self.is_fp8:
+      return "fp8"
     if self.float32_at_default_precision:
       return "tf32"
     if self.is_float32_or_wider:
       return "float32"
-    if all(dtypes_lib.is_floating(d) and d.itemsize == 1 for d in dtypes):
-      return "fp8"
     return "half" if self.is_half else "other"
 
 
@@ -198,6 +211,22 @@ class AuditReport:
     if not total:
       return math.nan
     return sum(op.flops for op in self.ops if op.is_half) / total
+
+  @property
+  def fp8_flops_share(self) -> float:
+    """The share of this report's FLOPs whose operands are both float8 (:attr:`MatmulOp.is_fp8`).
+
+    ``nan`` for a report without ops.
+    """
+    total = self.total_flops
+    if not total:
+      return math.nan
+    return sum(op.flops for op in self.ops if op.is_fp8) / total
+
+  @property
+  def fp8_ops(self) -> tuple[MatmulOp, ...]:
+    """The ops whose operands are both float8."""
+    return tuple(op for op in self.ops if op.is_fp8)
 
   @property
   def float32_ops(self) -> tuple[MatmulOp, ...]:
@@ -304,7 +333,9 @@ class AuditReport:
       (:attr:`MatmulOp.float32_at_default_precision`);
     * ``"upcast:lhs"`` (``rhs``, ``lhs,rhs``): half operands converted to
       float32 for the op (:attr:`MatmulOp.upcast`);
-    * ``"align:N=10"``: GEMM dimensions that are not multiples of 8.
+    * ``"align:N=10"``: GEMM dimensions that are not multiples of 8;
+    * ``"fp8:e4m3fn,e5m2"``: operands dequantised from float8 (the formats,
+      lhs then rhs; see :attr:`MatmulOp.fp8`).
 
     Args:
       op: one of ``self.ops``.
@@ -325,6 +356,9 @@ class AuditReport:
       flags.append("upcast:" + ",".join(op.upcast))
     if op.misaligned:
       flags.append("align:" + ",".join(op.misaligned))
+    if any(f is not None for f in op.fp8):
+      names = (f.name.removeprefix("float8_") if f is not None else "-" for f in op.fp8)
+      flags.append("fp8:" + ",".join(names))
     return tuple(flags)
 
   def __str__(self) -> str:
@@ -368,7 +402,9 @@ class AuditReport:
     sums = [r for r in self.float16_reductions if r.kind == "sum"]
     lines = [
       f"{policy}{len(self.ops)} ops, {self.total_flops / 1e6:.3f} MFLOP, "
-      f"{100 * self.half_flops_share:.1f}% of FLOPs with half-precision operands, "
+      f"{100 * self.half_flops_share:.1f}% of FLOPs with half-precision operands"
+      + (f" ({100 * self.fp8_flops_share:.1f}% float8)" if self.fp8_ops else "")
+      + ", "
       f"{len(self.float32_ops)} with float32 operands ({len(self.tf32_ops)} at default "
       f"precision: TF32 on GPUs), {len(self.upcast_ops)} with upcast half operands, "
       f"{len(self.misaligned_ops)} misaligned",

@@ -103,6 +103,7 @@ def dot_product_attention(
   precision: Any = None,
   module: Any = None,
   is_causal: bool = False,
+  dot_general: Any = None,
   **unused: Any,
 ) -> jax.Array:
   """Flax-compatible attention whose softmax runs in float32.
@@ -130,6 +131,8 @@ def dot_product_attention(
     precision: matmul precision.
     module: ignored.
     is_causal: add a causal mask.
+    dot_general: the contraction of both matmuls (``None``:
+      ``jax.lax.dot_general``), e.g. :func:`mpx.fp8_dot_general`.
     **unused: other arguments Flax may pass.
 
   Returns:
@@ -139,7 +142,10 @@ def dot_product_attention(
   dtype = jnp.dtype(dtype or query.dtype)
   query, key, value = (t.astype(dtype) for t in (query, key, value))
   query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-  logits = jnp.einsum("...qhd,...khd->...hqk", query, key, precision=precision)
+  contract = jax.lax.dot_general if dot_general is None else dot_general
+  logits = jnp.einsum(
+    "...qhd,...khd->...hqk", query, key, precision=precision, _dot_general=contract
+  )
   if bias is not None:
     logits = logits + bias.astype(dtype)
   if is_causal:
@@ -162,7 +168,9 @@ def dot_product_attention(
     shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
     keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
     weights = jnp.where(keep, weights / jnp.asarray(keep_prob, dtype), jnp.zeros((), dtype))
-  return jnp.einsum("...hqk,...khd->...qhd", weights, value, precision=precision)
+  return jnp.einsum(
+    "...hqk,...khd->...qhd", weights, value, precision=precision, _dot_general=contract
+  )
 
 
 _MATMULS = (jex.primitives.dot_general_p, jex.primitives.conv_general_dilated_p)

@@ -25,8 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import casting, errors, layer_policy, norm_layers
+from mpx._src import casting, errors, kernels, layer_policy, norm_layers
 from mpx._src import dtypes as dtypes_lib
+from mpx._src import fp8 as fp8_lib
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
 
@@ -36,6 +37,120 @@ _LEAN_NORM_KINDS: dict[type, str] = {
   nn.RMSNorm: "rms",
   nn.BatchNorm: "batch",
 }
+
+
+FP8_COLLECTION = "fp8_history"
+"""The linen collection that holds the amax histories of delayed fp8 scaling."""
+
+
+class Fp8DotGeneral(nn.Module):
+  """A ``dot_general`` with float8 operands whose delayed-scaling state is linen variables.
+
+  :func:`apply_policy` installs it as the ``dot_general_cls`` of ``Dense`` and
+  ``DenseGeneral`` layers under a policy with a delayed :class:`mpx.Fp8Recipe`.
+  It keeps three ``float32[history_length + 1]`` amax histories, ``lhs``,
+  ``rhs`` and ``grad``, in the ``"fp8_history"`` collection (see
+  :func:`mpx.update_fp8_state`).
+
+  Attributes:
+    recipe: the delayed-scaling recipe.
+  """
+
+  recipe: fp8_lib.Fp8Recipe
+
+  @nn.compact
+  def __call__(
+    self,
+    lhs: jax.Array,
+    rhs: jax.Array,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    **unused: Any,
+  ) -> jax.Array:
+    """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
+
+    Args:
+      lhs: the left operand.
+      rhs: the right operand.
+      dimension_numbers: as for ``jax.lax.dot_general``.
+      precision: as for ``jax.lax.dot_general``.
+      preferred_element_type: the output dtype (``None``: ``lhs.dtype``).
+      **unused: ignored (``out_sharding``).
+
+    Returns:
+      The product.
+    """
+    state = tuple(
+      self.variable(FP8_COLLECTION, name, fp8_lib.init_history, self.recipe).value
+      for name in ("lhs", "rhs", "grad")
+    )
+    return fp8_lib.fp8_dot_general(
+      lhs,
+      rhs,
+      dimension_numbers,
+      precision,
+      preferred_element_type,
+      recipe=self.recipe,
+      state=state,  # pyright: ignore[reportArgumentType]
+    )
+
+
+_REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
+
+
+def _configure_fp8(module: nn.Module, recipe: fp8_lib.Fp8Recipe, fields: set[str]) -> None:
+  """Gives a ``Dense`` / ``DenseGeneral`` copy a float8 ``dot_general`` (left alone if customised)."""
+  if recipe.attention and getattr(module, "attention_fn", None) is kernels.dot_product_attention:
+    dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe.for_attention())
+    fn = functools.partial(kernels.dot_product_attention, dot_general=dot)
+    _set_field(module, "attention_fn", fn)
+  if not {"dot_general", "dot_general_cls"} <= fields or module.dot_general_cls is not None:  # pyright: ignore[reportAttributeAccessIssue]
+    return
+  if module.dot_general not in _REPLACEABLE_DOTS:  # pyright: ignore[reportAttributeAccessIssue]
+    return
+  if recipe.delayed:
+    _set_field(module, "dot_general", None)
+    _set_field(module, "dot_general_cls", functools.partial(Fp8DotGeneral, recipe=recipe))
+  else:
+    _set_field(module, "dot_general", functools.partial(fp8_lib.fp8_dot_general, recipe=recipe))
+
+
+def _fp8_einsum_call(
+  module: Any, recipe: fp8_lib.Fp8Recipe, inputs: jax.Array, einsum_str: str | None = None
+) -> jax.Array:
+  """The body of ``nn.Einsum.__call__`` with its contraction through :func:`mpx.fp8_dot_general`."""
+  einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str)
+  einsum_str = einsum_str.replace(" ", "")
+  if "->" not in einsum_str or einsum_str.count(",") != 1:
+    raise errors.ConfigError(
+      f"nn.Einsum needs an explicit two-operand equation such as 'bd,dk->bk', got {einsum_str!r}."
+    )
+  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
+  bias, broadcast_shape = None, None
+  if module.use_bias:
+    bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
+    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
+  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
+  if recipe.delayed:
+    state = tuple(
+      module.variable(FP8_COLLECTION, name, fp8_lib.init_history, recipe).value
+      for name in ("lhs", "rhs", "grad")
+    )
+  else:
+    state = None
+  dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe, state=state)
+  y = jnp.einsum(
+    einsum_str,
+    inputs,
+    kernel,
+    precision=module.precision,
+    preferred_element_type=module.preferred_element_type,
+    _dot_general=dot,
+  )
+  if bias is not None:
+    y += jnp.reshape(bias, broadcast_shape)  # pyright: ignore[reportArgumentType]
+  return y
 
 
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
@@ -158,18 +273,25 @@ class PolicyModel:
       if key not in depth:
         policy = layers.policy_at(module)
         param_dtypes[tuple(module.path)] = policy.param_dtype
+        fields = {f.name for f in dataclasses.fields(module)}
         layer_policy.configure_layer(
           module,
           _sampling_policy(policy) if initializing else policy,
           self.rules,
           accumulate_in_float32=self.accumulate_in_float32,
-          fields={f.name for f in dataclasses.fields(module)},
+          fields=fields,
           default_attention=nn.dot_product_attention,
           set_field=_set_field,
         )
+        if policy.fp8 is not None:
+          _configure_fp8(module, policy.fp8, fields)
         depth[key] = 0
       # Only the outermost method call of a layer casts (a method calling
       # another of the same layer stays inside it), and setup never does.
+      recipe = layers.policy_at(module).fp8
+      if recipe is not None and type(module) is nn.Einsum and context.method_name == "__call__":
+        # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
+        next_fun = functools.partial(_fp8_einsum_call, module, recipe)
       boundary = layers.boundary(module)
       if boundary is None or context.method_name == "setup" or depth[key]:
         return next_fun(*f_args, **f_kwargs)
@@ -285,6 +407,14 @@ def apply_policy(
     versions (see :func:`mpx.accumulate_in_float32`), with
     ``accumulate_in_float32=True``, for the layers that have these fields
     (``Dense``, ``DenseGeneral``, ``Conv``...) and leave them at JAX's own.
+  * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``): ``Dense``,
+    ``DenseGeneral`` and ``Einsum`` layers left at Flax's default contraction
+    compute it with float8 operands (:func:`mpx.fp8_dot_general`, see
+    ``docs/fp8.md``); with delayed scaling, ``dot_general_cls`` <-
+    :class:`mpx.linen.Fp8DotGeneral`, whose amax histories live in the
+    ``"fp8_history"`` collection. ``Einsum``, which has no such knob, runs its
+    body in mpx with the same params. Layers a keep rule gives a policy
+    without ``fp8`` keep their dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype

@@ -14,13 +14,16 @@ layer's own params and statistics. The user-facing account is
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
-from mpx._src import casting, errors, layer_policy, norm_layers
+from mpx._src import casting, errors, kernels, layer_policy, norm_layers
+from mpx._src import fp8 as fp8_lib
 from mpx._src import keep as keep_lib
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
@@ -33,6 +36,90 @@ _LEAN_NORM_KINDS: dict[type, str] = {
 }
 
 _BOUNDARY_CLASSES: dict[type, type] = {}
+
+
+class Fp8History(nnx.Variable):
+  """One tensor's amax history for delayed fp8 scaling: ``float32[history_length + 1]``.
+
+  ``[pending, most recent, ..., oldest]``; see :func:`mpx.update_fp8_state`.
+  Select them with ``nnx.split(model, nnx.Param, mpx.nnx.Fp8History, ...)``.
+  """
+
+
+def _delayed_dot(module: Fp8DotGeneral, *args: Any, **kwargs: Any) -> jax.Array:
+  state = (module.lhs[...], module.rhs[...], module.grad[...])
+  return fp8_lib.fp8_dot_general(*args, **kwargs, recipe=module.recipe, state=state)
+
+
+class Fp8DotGeneral(nnx.Module):
+  """A ``dot_general`` with float8 operands whose delayed-scaling state is NNX variables.
+
+  :func:`apply_policy` installs one as the ``dot_general`` of each ``Linear``
+  and ``LinearGeneral`` under a policy with a delayed :class:`mpx.Fp8Recipe`,
+  with three :class:`Fp8History` variables: ``lhs``, ``rhs`` and ``grad``.
+
+  Args:
+    recipe: the delayed-scaling recipe.
+  """
+
+  def __init__(self, recipe: fp8_lib.Fp8Recipe) -> None:
+    self.recipe = recipe
+    self.lhs = Fp8History(fp8_lib.init_history(recipe))
+    self.rhs = Fp8History(fp8_lib.init_history(recipe))
+    self.grad = Fp8History(fp8_lib.init_history(recipe))
+
+  def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
+
+    Args:
+      *args: as for ``jax.lax.dot_general``.
+      **kwargs: as for ``jax.lax.dot_general``.
+
+    Returns:
+      The product.
+    """
+    return _delayed_dot(self, *args, **kwargs)
+
+
+class Fp8Einsum(Fp8DotGeneral):
+  """An ``einsum_op`` for ``nnx.Einsum`` whose contraction is :class:`Fp8DotGeneral`'s."""
+
+  def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    """``jnp.einsum`` with this layer's float8 ``dot_general``.
+
+    Args:
+      *args: as for ``jnp.einsum``.
+      **kwargs: as for ``jnp.einsum``.
+
+    Returns:
+      The contraction.
+    """
+    return jnp.einsum(*args, **kwargs, _dot_general=functools.partial(_delayed_dot, self))
+
+
+_REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
+
+
+def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
+  """Gives a ``Linear``, ``LinearGeneral`` or ``Einsum`` a float8 contraction (not if customised)."""
+  fields = vars(module)
+  if recipe.attention and fields.get("attention_fn") is kernels.dot_product_attention:
+    dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe.for_attention())
+    fn = functools.partial(kernels.dot_product_attention, dot_general=dot)
+    module.attention_fn = fn  # pyright: ignore[reportAttributeAccessIssue]
+  if "dot_general" in fields and fields["dot_general"] in _REPLACEABLE_DOTS:
+    if fields.get("dot_general_cls") is not None:
+      return
+    if recipe.delayed:
+      module.dot_general = nnx.data(Fp8DotGeneral(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+    else:
+      module.dot_general = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)  # pyright: ignore[reportAttributeAccessIssue]
+  elif fields.get("einsum_op") is jnp.einsum:
+    if recipe.delayed:
+      module.einsum_op = nnx.data(Fp8Einsum(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+    else:
+      dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)
+      module.einsum_op = functools.partial(jnp.einsum, _dot_general=dot)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _flax_class(module: nnx.Module) -> type:
@@ -127,6 +214,14 @@ def apply_policy(
   * Floating ``nnx.Param`` values are cast to their layer's param dtype. Other
     variables (``BatchStat``, caches, RNG state) are left alone, so the
     statistics of a norm kept in float32 stay float32.
+  * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``):
+    ``Linear``, ``LinearGeneral`` and ``Einsum`` layers left at Flax's default
+    contraction compute it with float8 operands (:func:`mpx.fp8_dot_general`,
+    see ``docs/fp8.md``); with delayed scaling, ``dot_general`` /
+    ``einsum_op`` <- an :class:`mpx.nnx.Fp8DotGeneral` /
+    :class:`mpx.nnx.Fp8Einsum` holding :class:`mpx.nnx.Fp8History`
+    variables. Layers a keep rule gives a policy without ``fp8`` keep their
+    dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype
@@ -209,15 +304,18 @@ def apply_policy(
     lean_norm_kinds=_LEAN_NORM_KINDS,
   )
   for module in modules.values():
+    policy_here = layers.policy_at(module)
     layer_policy.configure_layer(
       module,
-      layers.policy_at(module),
+      policy_here,
       rules,
       accumulate_in_float32=accumulate_in_float32,
       fields=set(vars(module)),
       default_attention=nnx.dot_product_attention,
       set_field=setattr,
     )
+    if policy_here.fp8 is not None:
+      _configure_fp8(module, policy_here.fp8)
     boundary = layers.boundary(module)
     lean = layers.lean_norm(module, _flax_class(module))
     if getattr(module, "promote_dtype", nnx_dtypes.promote_dtype) is not nnx_dtypes.promote_dtype:

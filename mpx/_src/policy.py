@@ -18,6 +18,7 @@ import numpy as np
 
 from mpx._src import casting, errors
 from mpx._src import dtypes as dtypes_lib
+from mpx._src import fp8 as fp8_lib
 
 T = TypeVar("T")
 
@@ -36,7 +37,10 @@ PRESETS: dict[str, str] = {
   "mixed_float16": "params=float32,compute=float16,output=float32",
   "bfloat16": "params=bfloat16,compute=bfloat16,output=bfloat16",
   "float16": "params=float16,compute=float16,output=float16",
+  "mixed_float8": "params=float32,compute=bfloat16,output=float32,fp8=current",
+  "mixed_float8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
 }
+_DTYPE_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
 
 def _name(dtype: np.dtype) -> str:
@@ -54,6 +58,12 @@ class Policy:
     compute_dtype: the dtype of the forward and backward arithmetic.
     output_dtype: the dtype a model's outputs are returned in, so that losses
       and their reductions run in that precision (usually float32).
+    fp8: ``None``, or the :class:`mpx.Fp8Recipe` with which the Flax
+      adapters run the layers' dense and einsum matmuls with float8 operands
+      (E4M3 forward, E5M2 gradients, float32 accumulation; Micikevicius et
+      al., *FP8 Formats for Deep Learning*, 2022); everything else computes
+      in ``compute_dtype``, which must then be bfloat16 or float32. A string
+      is parsed as in a policy string (``"current"``, ``"delayed"``).
 
   Example:
     >>> import mpx
@@ -67,10 +77,26 @@ class Policy:
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
+  fp8: fp8_lib.Fp8Recipe | None = None
 
   def __post_init__(self) -> None:
-    for field in dataclasses.fields(self):
-      object.__setattr__(self, field.name, dtypes_lib.parse_dtype(getattr(self, field.name)))
+    for name in _DTYPE_FIELDS:
+      object.__setattr__(self, name, dtypes_lib.parse_dtype(getattr(self, name)))
+    if isinstance(self.fp8, str):
+      object.__setattr__(self, "fp8", fp8_lib.parse_recipe(self.fp8))
+    if self.fp8 is not None:
+      if not isinstance(self.fp8, fp8_lib.Fp8Recipe):
+        raise errors.PolicyError(
+          f"fp8 must be None, an mpx.Fp8Recipe or a recipe string such as 'delayed', got "
+          f"{self.fp8!r}."
+        )
+      if np.dtype(self.compute_dtype).name not in ("bfloat16", "float32"):
+        raise errors.PolicyError(
+          f"An fp8 policy computes everything but its float8 matmuls in compute_dtype, which "
+          f"must be bfloat16 or float32 (float8 scales span a range float16 cannot hold); got "
+          f"{np.dtype(self.compute_dtype).name}. Write e.g. 'mixed_float8' "
+          "(params=float32,compute=bfloat16,output=float32,fp8=current)."
+        )
 
   def cast_to_param(self, tree: T) -> T:
     """Casts the floating leaves of ``tree`` to ``param_dtype``.
@@ -122,7 +148,7 @@ class Policy:
   def __str__(self) -> str:
     return (
       f"params={_name(self.param_dtype)},compute={_name(self.compute_dtype)},"
-      f"output={_name(self.output_dtype)}"
+      f"output={_name(self.output_dtype)}" + ("" if self.fp8 is None else f",fp8={self.fp8}")
     )
 
 
@@ -153,12 +179,19 @@ def _parse_string(spec: str) -> Policy:
   # jmp's grammar: params default to float32, compute to params, output to
   # compute; a key given twice takes its last value.
   found: dict[str, np.dtype] = {}
+  recipe = None
   for part in re.split(r"\s*,\s*", text):
     key, sep, value = (s.strip() for s in part.partition("="))
+    if sep and key == "fp8":
+      try:
+        recipe = fp8_lib.parse_recipe(value)
+      except errors.PolicyError as e:
+        raise errors.PolicyError(f"In the policy {spec!r}: {e}") from e
+      continue
     if not sep or key not in _KEYS:
       raise errors.PolicyError(
         f"Cannot parse {part!r} in the policy {spec!r}: each part must be "
-        "'<key>=<dtype>' with key one of params|p, compute|c, output|o, "
+        "'<key>=<dtype>' with key one of params|p, compute|c, output|o (and fp8=<recipe>), "
         f"e.g. 'params=float32,compute=bfloat16,output=float32'.{_suggestion(key, _KEYS)}"
       )
     try:
@@ -171,7 +204,7 @@ def _parse_string(spec: str) -> Policy:
   found.setdefault("param_dtype", np.dtype(np.float32))
   found.setdefault("compute_dtype", found["param_dtype"])
   found.setdefault("output_dtype", found["compute_dtype"])
-  return Policy(**found)
+  return Policy(**found, fp8=recipe)
 
 
 def get_policy(spec: str | Policy | Any) -> Policy:
@@ -189,6 +222,11 @@ def get_policy(spec: str | Policy | Any) -> Policy:
     (``"c=bf16"`` is ``params=float32,compute=bfloat16,output=bfloat16``), and
     a key given twice takes its last value, as in ``jmp.get_policy``;
   * a bare dtype name, for all three dtypes: ``"bf16"``;
+  * float8 matmuls: ``"mixed_float8"`` (``mixed_bfloat16`` with the dense and
+    einsum matmuls in float8, current scaling) and ``"mixed_float8_delayed"``
+    (delayed scaling), or an ``fp8=<recipe>`` part in jmp's grammar:
+    ``"p=f32,c=bf16,o=f32,fp8=delayed:history=1024:reduction=max:margin=0"``
+    (see :class:`mpx.Fp8Recipe`);
   * a :class:`Policy` (returned unchanged) or any object with ``param_dtype``,
     ``compute_dtype`` and ``output_dtype`` attributes, such as a ``jmp.Policy``.
 
@@ -226,8 +264,10 @@ def get_policy(spec: str | Policy | Any) -> Policy:
     return spec
   if isinstance(spec, str):
     return _parse_string(spec)
-  if all(hasattr(spec, f.name) for f in dataclasses.fields(Policy)):
-    return Policy(spec.param_dtype, spec.compute_dtype, spec.output_dtype)
+  if all(hasattr(spec, name) for name in _DTYPE_FIELDS):
+    return Policy(
+      spec.param_dtype, spec.compute_dtype, spec.output_dtype, getattr(spec, "fp8", None)
+    )
   raise errors.PolicyError(
     f"Cannot make a precision policy from {spec!r} of type {type(spec).__name__}. Pass "
     f"a string such as 'mixed_bfloat16' (presets: {', '.join(PRESETS)}), an mpx.Policy, "

@@ -226,6 +226,30 @@ def _upcast_from_half(value: Any) -> bool:
   return dtypes_lib.is_half(source) and dtypes_lib.is_floating(target) and target.itemsize > 2
 
 
+_LAYOUT_OPS = frozenset({"stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim"})
+
+
+def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
+  """The float8 format ``value`` was dequantised from, or ``None``.
+
+  Recognises the quantise-dequantise form XLA:GPU rewrites into a float8
+  GEMM: ``convert(float8 -> wider)``, optionally multiplied or divided by a
+  scale, optionally reshaped or transposed (an einsum's layout ops).
+  """
+  owner = value.owner
+  name = getattr(owner, "name", None)
+  if name == "stablehlo.convert":
+    source, _ = _tensor(str(owner.operands[0].type))
+    return source if dtypes_lib.is_floating(source) and source.itemsize == 1 else None
+  if depth < 4 and name in ("stablehlo.multiply", "stablehlo.divide"):
+    return _dequantized_from(owner.operands[0], depth + 1) or (
+      _dequantized_from(owner.operands[1], depth + 1) if name == "stablehlo.multiply" else None
+    )
+  if depth < 4 and name in _LAYOUT_OPS:
+    return _dequantized_from(owner.operands[0], depth + 1)
+  return None
+
+
 def _record(raw: dict[str, Any]) -> dict[str, Any]:
   op = raw["op"]
   kind = _KINDS[op.name]
@@ -263,6 +287,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     is_backward=is_backward,
     count=raw["count"],
     misaligned=misaligned,
+    fp8=tuple(_dequantized_from(value) for value in op.operands[:2]),
   )
 
 

@@ -46,7 +46,7 @@ QUICK = _settings.Settings(
 def _parser() -> argparse.ArgumentParser:
   names = "\n".join(f"  {c.name:<26}{c.shows}" for c in _configs.CONFIGS)
   names += "\nopt-in (not run by default):\n" + "\n".join(
-    f"  {c.name:<26}{c.shows}" for c in _configs.EXTRA_CONFIGS
+    f"  {c.name:<26}{c.shows}" for c in (*_configs.EXTRA_CONFIGS, *_configs.FP8_CONFIGS)
   )
   parser = argparse.ArgumentParser(
     prog="python -m mpx.demo",

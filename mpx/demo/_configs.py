@@ -140,4 +140,18 @@ EXTRA_CONFIGS = tuple(
 )
 """Opt-in configurations (``--configs``): bfloat16 params without float32 masters."""
 
-BY_NAME = {config.name: config for config in (*CONFIGS, *EXTRA_CONFIGS)}
+FP8_CONFIGS = tuple(
+  RunConfig(
+    f"float8_{scaling}",
+    policy,
+    "dynamic",
+    True,
+    "f32 params, fp8 matmuls",
+    f"mixed_bfloat16 with the dense matmuls in float8 (E4M3 forward, E5M2 gradients), {scaling} "
+    "scaling; the logits projection stays bfloat16",
+  )
+  for scaling, policy in (("current", "mixed_float8"), ("delayed", "mixed_float8_delayed"))
+)
+"""Opt-in configurations (``--configs``): ``mixed_bfloat16`` with float8 matmuls, both recipes."""
+
+BY_NAME = {config.name: config for config in (*CONFIGS, *EXTRA_CONFIGS, *FP8_CONFIGS)}

@@ -97,6 +97,11 @@ def _token_losses(
   return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
 
 
+def _variables(params: Any, history: Any) -> dict[str, Any]:
+  """The model's variables: params, and the amax histories of delayed float8 scaling if any."""
+  return {"params": params, **({mpx.linen.FP8_COLLECTION: history} if history else {})}
+
+
 def _tree_bytes(tree: Any) -> int:
   return sum(leaf.size * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
 
@@ -155,13 +160,20 @@ def make_optimizer(config: RunConfig, settings: Settings) -> optax.GradientTrans
   )
 
 
+FP8_RULES = mpx.KeepRules().with_path("^head$", "mixed_bfloat16")
+"""Float8 runs keep the logits projection in bfloat16 (the vocabulary is the widest output)."""
+
+
 @functools.lru_cache(maxsize=8)
 def _compiled_model(policy: str, settings: Settings) -> tuple[Any, Any, Any]:
   """The policy's model with its compiled init and evaluation, shared by runs of one policy."""
-  model = mpx.linen.apply_policy(CharTransformer(settings.model), policy)
+  fp8 = mpx.get_policy(policy).fp8 is not None
+  model = mpx.linen.apply_policy(
+    CharTransformer(settings.model), policy, rules=FP8_RULES if fp8 else None
+  )
 
-  def evaluate(params: Any, windows: jax.Array) -> jax.Array:
-    return _token_losses(model, {"params": params}, windows).mean()
+  def evaluate(params: Any, history: Any, windows: jax.Array) -> jax.Array:
+    return _token_losses(model, _variables(params, history), windows).mean()
 
   return model, settings.jit(model.init), settings.jit(evaluate)
 
@@ -195,9 +207,10 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
   # Committing every array to the device keeps the first step's compiled code valid
   # for the next steps (uncommitted inputs would compile the step a second time).
   device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  params = jax.device_put(
-    init(jax.random.key(settings.seed), data.train[0, :, :-1])["params"], device
-  )
+  variables = init(jax.random.key(settings.seed), data.train[0, :, :-1])
+  params = jax.device_put(variables["params"], device)
+  # Delayed float8 scaling's amax histories ({} otherwise): state beside the params.
+  amax_history = jax.device_put(dict(variables.get(mpx.linen.FP8_COLLECTION, {})), device)
   tx = make_optimizer(config, settings)
   with warnings.catch_warnings(record=True) as caught:
     # Expected for float16_bare (no masters); any other warning keeps the caller's filters.
@@ -207,14 +220,20 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
   all_finite = settings.jit(mpx.all_finite)
   global_tokens = float(settings.global_batch_tokens)
 
-  def objective(params: Any, windows: jax.Array) -> tuple[jax.Array, jax.Array]:
-    token_losses = _token_losses(model, {"params": params}, windows)
+  def objective(params: Any, history: Any, windows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    token_losses = _token_losses(model, _variables(params, history), windows)
     return token_losses.sum() / global_tokens, token_losses.mean()
 
   @settings.jit
-  def step(params: Any, opt_state: Any, windows: jax.Array) -> tuple[Any, Any, dict[str, Any]]:
+  def step(
+    params: Any, history: Any, opt_state: Any, windows: jax.Array
+  ) -> tuple[Any, Any, Any, dict[str, Any]]:
     before = mpx.loss_scale_metrics(opt_state)
-    (_, loss), grads = mpx.value_and_grad(objective, opt_state, has_aux=True)(params, windows)
+    (_, loss), (grads, observed) = mpx.value_and_grad(
+      objective, opt_state, argnums=(0, 1), has_aux=True
+    )(params, history, windows)
+    # The gradient of each amax history is the amax its tensor had in this step.
+    history = mpx.update_fp8_state(history, observed)
     leaves = jax.tree.leaves(grads)
     zeros = jnp.sum(jnp.stack([jnp.sum(g == 0, dtype=jnp.int32) for g in leaves]))
     # optax's adam computes python-float ** int32 step counts, which strict promotion rejects.
@@ -224,6 +243,7 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
     after = mpx.loss_scale_metrics(opt_state)
     return (
       params,
+      history,
       opt_state,
       {
         "loss": loss,
@@ -234,13 +254,13 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
     )
 
   history: dict[str, list[Any]] = {"loss": [], "scale": [], "skipped": [], "zero_grads": []}
-  eval_steps, eval_losses = [0], [float(evaluate(params, data.valid))]
+  eval_steps, eval_losses = [0], [float(evaluate(params, amax_history, data.valid))]
   seconds: list[float] = []
   first_nonfinite = stopped_at = zero_nu = None
   progress = Progress(settings.steps, config.name)
   for i in range(settings.steps):
     start = time.perf_counter()
-    params, opt_state, metrics = step(params, opt_state, data.train[i])
+    params, amax_history, opt_state, metrics = step(params, amax_history, opt_state, data.train[i])
     metrics = jax.device_get(metrics)
     seconds.append(time.perf_counter() - start)
     for key, value in metrics.items():
@@ -254,7 +274,7 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
     done = i + 1
     if done % settings.eval_every == 0 or done == settings.steps:
       eval_steps.append(done)
-      eval_losses.append(float(evaluate(params, data.valid)))
+      eval_losses.append(float(evaluate(params, amax_history, data.valid)))
       if not bool(all_finite(params)) and done < settings.steps:
         stopped_at = done
         break

@@ -145,6 +145,36 @@ def _all_finite_bucketed(
   return jnp.isfinite(jnp.sum(jnp.stack(sums)) * inv_scale)
 
 
+def _all_finite_per_leaf(grads: PyTree, inv_scale: jax.Array) -> jax.Array:
+  """jmp's check on the scaled gradients: ``all(isfinite(g * inv_scale))`` per leaf, stacked."""
+  flags = [jnp.all(jnp.isfinite(g.astype(jnp.float32) * inv_scale)) for g in jax.tree.leaves(grads)]
+  return jnp.all(jnp.stack(flags))
+
+
+def _all_finite_rows(width: int, barrier: bool = True) -> Callable[[PyTree, jax.Array], jax.Array]:
+  """``isfinite(g * inv_scale)`` reduced in rows of ``width``, then once over all leaves' rows.
+
+  The formulation mpx ships (``mpx/_src/finite_check.py``), without its
+  attribution, for any row width; ``barrier=False`` drops the optimization
+  barrier on the concatenated row flags.
+  """
+
+  def check(grads: PyTree, inv_scale: jax.Array) -> jax.Array:
+    rows = []
+    for g in jax.tree.leaves(grads):
+      finite = jnp.isfinite(g.astype(jnp.float32) * inv_scale)
+      if g.ndim and g.shape[-1] % width == 0:
+        rows.append(jnp.all(finite.reshape(*g.shape[:-1], -1, width), axis=-1).ravel())
+      elif g.ndim and g.shape[-1] <= width:
+        rows.append(jnp.all(finite, axis=-1).ravel())
+      else:
+        rows.append(jnp.all(finite).reshape(1))
+    flags = jnp.concatenate(rows)
+    return jnp.all(jax.lax.optimization_barrier(flags) if barrier else flags)
+
+  return check
+
+
 def _select(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
   return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
@@ -402,6 +432,27 @@ def make_candidates(config: _gpt.GPTConfig) -> list[Candidate]:
       "where_bucketed_params_donated",
       "where_bucketed with only params donated (opt_state not donated)",
       body_where_checked(_all_finite_bucketed),
+      (0,),
+    ),
+    (
+      "where_isfinite_params_donated",
+      "generic where; jmp's per-leaf all(isfinite(g / scale)) check; only params donated",
+      body_where_checked(_all_finite_per_leaf),
+      (0,),
+    ),
+    *[
+      (
+        f"where_rows{width}_params_donated",
+        f"generic where; isfinite reduced in rows of {width}, then once; only params donated",
+        body_where_checked(_all_finite_rows(width)),
+        (0,),
+      )
+      for width in (16, 32, 64)
+    ],
+    (
+      "where_rows32_no_barrier_params_donated",
+      "where_rows32 without the optimization barrier on the row flags; only params donated",
+      body_where_checked(_all_finite_rows(32, barrier=False)),
       (0,),
     ),
     ("cond_abs_sum", "lax.cond around the inner update; abs-sum check", body_cond, (0, 1)),

@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from optax_compat import standard_promotion
 
 import mpx
@@ -268,7 +270,7 @@ def test_state_is_stable_under_cond(tx):
   )
   assert state.loss_scale.dtype == F32 and state.diverged.dtype == jnp.bool_
   assert state.skipped_steps.dtype == jnp.int32 and state.growth_tracker.dtype == jnp.int32
-  assert state.skip_history.dtype == jnp.uint32 and state.nonfinite_bucket.dtype == jnp.int32
+  assert state.skip_history.dtype == jnp.uint32 and state.nonfinite_leaf.dtype == jnp.int32
 
 
 def _stepped_state():
@@ -282,7 +284,7 @@ def _stepped_state():
   assert bool(state.diverged) and int(state.consecutive_skips) == 0
   # The attribution fields differ from their initial values, so a round trip that
   # dropped them would be seen.
-  assert int(state.skip_history) == 0b11110 and int(state.nonfinite_bucket) == 0
+  assert int(state.skip_history) == 0b11110 and int(state.nonfinite_leaf) == 2  # "scale"
   return state
 
 
@@ -379,7 +381,7 @@ def test_dynamic_divergence_only_at_the_floor():
     "growth_tracker",
     "diverged",
     "overflow_rate",
-    "nonfinite_bucket",
+    "nonfinite_leaf",
   }
   bad = {"w": jnp.array([jnp.inf, 1.0])}
   _, state = tx.update(bad, state, params)  # 4 -> 2, not diverged
@@ -784,45 +786,92 @@ def test_last_step_skipped_is_read_from_the_state_and_the_metrics():
 
 
 def _attribution_params():
-  # Two leaves above 2**16 elements (a bucket each), three small ones (one shared bucket).
+  # One leaf for each way the check cuts a leaf into rows of 32 (see finite_check._row_flags).
   return {
-    "a_big": jnp.zeros(70_000),
-    "b_small": jnp.zeros(3),
-    "c_big": jnp.zeros((300, 300), F16),
-    "d_small": jnp.zeros((2, 2), BF16),
+    "a_big": jnp.zeros(70_000),  # no row length fits: reduced whole
+    "b_small": jnp.zeros(3),  # last axis <= 32: one row
+    "c_big": jnp.zeros((300, 300), F16),  # reduced whole
+    "d_small": jnp.zeros((2, 2), BF16),  # rows along the last axis
     "e_small": jnp.zeros(5),
+    "f_rows": jnp.zeros((4, 64)),  # last axis cut into rows of 32
+    "g_flat": jnp.zeros((96, 33)),  # raveled, then cut into rows of 32
+    "h_scalar": jnp.zeros(()),
   }
 
 
 def _attribution_grads(*bad):
   grads = jax.tree.map(lambda p: jnp.ones(p.shape, p.dtype), _attribution_params())
-  for name in bad:
-    grads[name] = grads[name].reshape(-1).at[1].set(jnp.inf).reshape(grads[name].shape)
+  for name in bad:  # the last element: the end of the leaf's last row
+    grads[name] = grads[name].reshape(-1).at[-1].set(jnp.inf).reshape(grads[name].shape)
   return grads
 
 
 @pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
-def test_the_first_non_finite_bucket_is_recorded_and_named(use_jit):
+def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
   params = _attribution_params()
   tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
   step = _maybe_jit(tx.update, use_jit)
   state = tx.init(params)
-  assert int(state.nonfinite_bucket) == -1 and mpx.nonfinite_gradient_paths(state, params) == []
+  assert int(state.nonfinite_leaf) == -1 and mpx.nonfinite_gradient_paths(state, params) == []
   cases = [
-    (("c_big",), 1, ["c_big"]),
-    (("e_small",), 2, ["b_small", "d_small", "e_small"]),
-    (("c_big", "a_big"), 0, ["a_big"]),  # the first bucket in the check's order
-    (("d_small", "c_big"), 1, ["c_big"]),  # large leaves come before the shared bucket
+    (("c_big",), 2),
+    (("e_small",), 4),
+    (("c_big", "a_big"), 0),  # the first leaf in tree order
+    (("h_scalar", "d_small"), 3),
+    (("f_rows",), 5),
+    (("g_flat",), 6),
+    (("h_scalar",), 7),
   ]
-  for bad, bucket, paths in cases:
+  names = list(params)
+  for bad, leaf in cases:
     _, state = step(_attribution_grads(*bad), state, params)
-    assert int(state.nonfinite_bucket) == bucket
-    assert int(mpx.loss_scale_metrics(state)["nonfinite_bucket"]) == bucket
-    assert mpx.nonfinite_gradient_paths(state, params) == paths
+    assert int(state.nonfinite_leaf) == leaf, bad
+    assert int(mpx.loss_scale_metrics(state)["nonfinite_leaf"]) == leaf
+    assert mpx.nonfinite_gradient_paths(state, params) == [names[leaf]]
     _, state = step(_attribution_grads(), state, params)  # a finite step keeps the record
-    assert int(state.nonfinite_bucket) == bucket
+    assert int(state.nonfinite_leaf) == leaf
   assert int(state.skipped_steps) == len(cases)
+
+
+_LEAF_SHAPES = [(), (1,), (31,), (32,), (33,), (3, 64), (2, 33, 32), (96, 33), (7, 45), (65,)]
+
+
+@pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
+@settings(max_examples=40, deadline=None)
+@given(
+  shapes=st.lists(st.sampled_from(_LEAF_SHAPES), min_size=1, max_size=4),
+  dtype=st.sampled_from([F32, F16, BF16]),
+  log2_scale=st.integers(-20, 24),
+  bad=st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 10**6), st.sampled_from(["inf", "nan", "big"])),
+    max_size=2,
+  ),
+)
+def test_the_check_and_the_attribution_match_numpy(shapes, dtype, log2_scale, bad):
+  # Reference: the unscaled gradients in float64, element by element.
+  rng = np.random.default_rng(len(shapes))
+  grads = [rng.uniform(-2.0, 2.0, s).astype(dtype) for s in shapes]
+  big = float(
+    jnp.finfo(dtype).max
+  )  # finite; in float32 and bfloat16 it overflows unscaled by a scale < 1
+  for leaf, position, kind in bad:
+    leaf %= len(grads)
+    if grads[leaf].size:
+      flat = grads[leaf].reshape(-1)
+      flat[position % flat.size] = {"inf": np.inf, "nan": np.nan, "big": big}[kind]
+      grads[leaf] = flat.reshape(grads[leaf].shape)
+  scale = 2.0**log2_scale
+  # Finite once unscaled in float32: no inf or NaN (NaN fails the comparison), no overflow.
+  f32_max = float(np.finfo(np.float32).max)
+  finite = [bool(np.all(np.abs(g.astype(np.float64) / scale) <= f32_max)) for g in grads]
+  tree = {f"leaf{i}": jnp.asarray(g) for i, g in enumerate(grads)}
+  params = jax.tree.map(lambda g: jnp.zeros(g.shape, F32), tree)
+  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=scale, min_scale=2.0**-30)
+  _, state = jax.jit(tx.update)(tree, tx.init(params), params)
+  expected_leaf = finite.index(False) if False in finite else -1
+  assert bool(state.last_step_skipped) == (expected_leaf >= 0)
+  assert int(state.nonfinite_leaf) == expected_leaf
 
 
 @pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
@@ -839,7 +888,7 @@ def test_nonfinite_gradient_paths_rejects_params_of_another_model():
   params = _attribution_params()
   tx = mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0)))
   _, state = tx.update(_attribution_grads("e_small"), tx.init(params), params)
-  with pytest.raises(mpx.StateError, match="bucket 2, but these params give only 1"):
+  with pytest.raises(mpx.StateError, match="gradient leaf 4, but these params have 1 leaf "):
     mpx.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
 
 
@@ -868,7 +917,7 @@ def test_no_loss_scale_records_no_history():
   tx = mpx.no_loss_scale(optax.sgd(1.0))
   params = {"w": jnp.ones(2)}
   _, state = tx.update({"w": jnp.array([jnp.nan, 1.0])}, tx.init(params), params)
-  assert int(state.skip_history) == 0 and int(state.nonfinite_bucket) == -1
+  assert int(state.skip_history) == 0 and int(state.nonfinite_leaf) == -1
 
 
 def test_axis_name_makes_the_attribution_global():
@@ -876,9 +925,9 @@ def test_axis_name_makes_the_attribution_global():
   tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=2.0, axis_name="devices")
   state = tx.init(params)
   grads = {"a": jnp.ones((3, 70_000)), "b": jnp.ones((3, 3))}
-  grads["b"] = grads["b"].at[0, 1].set(jnp.nan)  # member 0: the shared bucket (1)
-  grads["a"] = grads["a"].at[2, 5].set(jnp.inf)  # member 2: the large leaf's bucket (0)
+  grads["b"] = grads["b"].at[0, 1].set(jnp.nan)  # member 0: leaf 1
+  grads["a"] = grads["a"].at[2, 5].set(jnp.inf)  # member 2: leaf 0
   update = jax.vmap(tx.update, in_axes=(0, None, None), axis_name="devices")
   _, new = update(grads, state, params)
-  np.testing.assert_array_equal(new.nonfinite_bucket, [0, 0, 0])
+  np.testing.assert_array_equal(new.nonfinite_leaf, [0, 0, 0])
   np.testing.assert_array_equal(new.skip_history, [1, 1, 1])

@@ -10,6 +10,7 @@ and trains as one device does.
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -40,8 +41,6 @@ _SCRIPT = textwrap.dedent(
     mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
     policy = mpx.get_policy("params=float16,compute=float16,output=float32")
     tx = mpx.mixed_precision(standard_promotion(optax.adam(1e-3)), policy)
-    # Leaves above 2**16 elements: the finite check reduces each alone (smaller
-    # ones are concatenated into one bucket, which gathers sharded gradients).
     LAYOUTS = {
         "fsdp": {"w1": P("data", None), "w2": P("data", None)},
         "tp": {"w1": P(None, "model"), "w2": P("model", None)},
@@ -185,8 +184,11 @@ def test_the_step_gathers_no_optimizer_state(report, layout):
   for kind, shapes in found:
     for dtype, dims in shapes:
       # Masters and moments are the only float32 arrays of a param's size; float32
-      # collectives carry scalars only (the finite check's and the loss's).
+      # collectives carry scalars only (the loss). The finite check gathers flags (pred).
       assert dtype != "f32" or dims == "", (kind, shapes)
+      # The finite check's row flags: at most one per 32 of the 262,144 gradient elements.
+      if dtype == "pred":
+        assert math.prod(int(d) for d in dims.split(",") if d) <= 262_144 // 32, (kind, shapes)
   if layout.startswith("fsdp"):  # the params themselves are gathered, in float16
     assert any(kind == "all-gather" for kind, _ in found), found
 

@@ -1,24 +1,25 @@
 """The finite check of loss scaling: is every gradient still finite once unscaled?
 
-The check reads the *scaled* gradients in a few bucketed reductions, so that
-XLA fuses it without materialising the unscaled tree; ``docs/benchmarks.md``
-measures it against the per-leaf ``isfinite`` of jmp and flax.
+Each leaf is reduced in rows of 32 elements, fused with the unscaling and the
+``isfinite`` test, and the rows' flags of all leaves are reduced together once.
+``docs/benchmarks.md`` measures it against the per-leaf ``isfinite`` of jmp
+and flax, and shows in the HLO why the rows are 32 long.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Leaves up to this size are checked together in one concatenated reduction;
-# larger ones get one reduction each. Tuned on the GPT of
-# benchmarks/loss_scale_overhead.py (docs/benchmarks.md).
-_CONCAT_LIMIT = 2**16
+# The longest row XLA:CPU reduces in one kernel fused with its producer: a
+# longer reduction is split into a reduce-window and a reduce, which
+# materialises the producer's flags (docs/benchmarks.md, "Loss-scaling
+# overhead"). On other backends 32 is as good as any small width.
+_ROW = 32
 
 
 def unscaled_dtype(dtype: np.dtype) -> np.dtype:
@@ -44,51 +45,36 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
-def _concatenated(leaf: Any) -> bool:
-  """Whether a gradient leaf is checked in the shared bucket of small float32 leaves."""
-  return (
-    math.prod(leaf.shape) <= _CONCAT_LIMIT and unscaled_dtype(np.dtype(leaf.dtype)) == np.float32
-  )
+def _row_flags(finite: jax.Array) -> jax.Array:
+  """Reduces a leaf's elementwise flags to one flag per row of at most 32 elements, raveled.
 
-
-def buckets(grads: Any) -> tuple[tuple[int, ...], ...]:
-  """The buckets of :func:`finite_after_unscale`, as indices into ``jax.tree.leaves(grads)``.
-
-  Reads shapes and dtypes only, so any tree with the gradients' structure,
-  shapes and floating dtypes (the params) gives the same buckets.
-
-  Args:
-    grads: the gradients, or a tree shaped like them.
-
-  Returns:
-    One tuple of leaf indices per bucket, in the order of the check: each leaf
-    larger than 2**16 elements (or float64) alone, then every smaller leaf
-    together.
+  The rows run along the last axis when it allows, so that a leaf sharded
+  along any axis keeps its sharding through the reduction.
   """
-  leaves = jax.tree.leaves(grads)
-  small = tuple(i for i, g in enumerate(leaves) if _concatenated(g))
-  large = [(i,) for i, g in enumerate(leaves) if not _concatenated(g)]
-  return (*large, small) if small else tuple(large)
+  shape = finite.shape
+  if not shape:
+    return finite.reshape(1)
+  if shape[-1] % _ROW == 0:
+    rows = finite.reshape(*shape[:-1], shape[-1] // _ROW, _ROW)
+  elif shape[-1] <= _ROW:
+    rows = finite
+  elif finite.size % _ROW == 0:
+    rows = finite.reshape(-1, _ROW)
+  else:  # a reduction XLA may split: correct, one or two kernels more for this leaf
+    return jnp.all(finite).reshape(1)
+  return jnp.all(rows, axis=-1).ravel()
 
 
 def finite_after_unscale(
   grads: Any, scale: jax.Array, *, axis_name: Any = None
 ) -> tuple[jax.Array, jax.Array]:
-  """Whether every element of ``grads * (1 / scale)`` is finite, and where it first was not.
+  """Whether every element of ``grads * (1 / scale)`` is finite, and which leaf first was not.
 
-  ``sum(|g|) * (1 / scale)`` is finite exactly when no element is inf or NaN
-  and no unscaled ``|g_i| * (1 / scale)`` overflows (``|g_i| <= sum(|g|)``),
-  so one scalar decides. It is conservative only when the L1 norm of the
-  scaled gradients exceeds float32's max (3.4e38): that step is skipped and
-  the scale backs off, the right response to gradients that large. Reading the
-  *scaled* gradients lets XLA fuse the check without materialising the
-  unscaled tree, and the buckets (:func:`buckets`) cut the kernels per leaf
-  from about three (a per-leaf ``isfinite`` reduction) to about one.
-
-  The L1 norms of the buckets are summed as a running total, whose first
-  non-finite entry names the bucket that broke the step: the attribution
-  costs a cumulative sum over a vector of a few dozen entries, no kernel per
-  leaf.
+  Each leaf is unscaled (in float32, or float64) and tested with ``isfinite``
+  in rows of 32 elements, one kernel per leaf on XLA:CPU; the rows' flags of
+  all leaves (1/32 of a byte per gradient element) are concatenated behind an
+  optimization barrier, so that XLA reduces them once instead of splitting the
+  reduction back into one per leaf. The unscaled tree is never materialised.
 
   Args:
     grads: a pytree of floating arrays, the gradients of the scaled loss.
@@ -97,26 +83,27 @@ def finite_after_unscale(
       ``None``.
 
   Returns:
-    ``(ok, bucket)``: a bool scalar, ``True`` for a tree without leaves; and an
-    int32 scalar, the index (into :func:`buckets`) of the first bucket whose
-    running L1 norm was not finite, ``-1`` when ``ok``. Under ``axis_name``
-    both are global: the step is skipped everywhere, and the bucket is the
-    smallest index any member saw.
+    ``(ok, leaf)``: a bool scalar, ``True`` for a tree without leaves; and an
+    int32 scalar, the index (into ``jax.tree.leaves(grads)``) of the first
+    leaf with a non-finite unscaled element, ``-1`` when ``ok``. Under
+    ``axis_name`` both are global: the step is skipped everywhere, and the
+    leaf is the smallest index any member saw.
   """
   leaves = jax.tree.leaves(grads)
-  plan = buckets(grads)
-  totals = []
-  for bucket in plan:
-    parts = [leaves[i].astype(unscaled_dtype(np.dtype(leaves[i].dtype))) for i in bucket]
-    # A leaf alone keeps its shape: raveling a column-sharded gradient would gather it.
-    x = parts[0] if len(parts) == 1 else jnp.concatenate([p.ravel() for p in parts])
-    totals.append(jnp.sum(jnp.abs(x)).astype(jnp.float32))
-  if not totals:
+  if not leaves:
     return jnp.asarray(True), jnp.asarray(-1, jnp.int32)
-  finite = jnp.isfinite(jnp.cumsum(jnp.stack(totals)) * (1 / scale))
-  # The code of a finite step is len(plan): one pmin makes both results global.
-  code = jnp.where(finite[-1], len(plan), jnp.argmin(finite)).astype(jnp.int32)
+  inv = 1 / scale
+  rows = []
+  for g in leaves:
+    wide = unscaled_dtype(np.dtype(g.dtype))
+    rows.append(_row_flags(jnp.isfinite(g.astype(wide) * inv.astype(wide))))
+  ends = np.cumsum([r.size for r in rows])
+  flags = jax.lax.optimization_barrier(jnp.concatenate(rows))
+  first = jnp.argmin(flags)  # the first False; 0 when every flag is True
+  ok = flags[first]
+  # The code of a finite step is len(leaves): one pmin makes both results global.
+  code = jnp.where(ok, len(leaves), jnp.searchsorted(ends, first, side="right")).astype(jnp.int32)
   if axis_name is not None:
     code = jax.lax.pmin(code, axis_name)
-  ok = code == len(plan)
+  ok = code == len(leaves)
   return ok, jnp.where(ok, -1, code)

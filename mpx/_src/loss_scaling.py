@@ -34,10 +34,10 @@ class LossScaleState(NamedTuple):
       scale was already at its floor; see :func:`mpx.check_loss_scale`.
     skip_history: uint32 scalar, the last 32 steps as bits: bit ``i`` is set
       when the step ``i`` updates ago was skipped (bit 0: the last one).
-    nonfinite_bucket: int32 scalar, in the last skipped step, the first bucket
-      of gradient leaves whose running L1 norm was not finite (an index into
-      the finite check's buckets); ``-1`` before any skip. Kept until the next
-      skip; :func:`mpx.nonfinite_gradient_paths` names its leaves.
+    nonfinite_leaf: int32 scalar, in the last skipped step, the index (into
+      ``jax.tree.leaves(grads)``) of the first gradient leaf with an element
+      that was not finite once unscaled; ``-1`` before any skip. Kept until
+      the next skip; :func:`mpx.nonfinite_gradient_paths` names it.
     inner_state: the state of the wrapped transformation.
   """
 
@@ -48,7 +48,7 @@ class LossScaleState(NamedTuple):
   consecutive_skips: jax.Array
   diverged: jax.Array
   skip_history: jax.Array
-  nonfinite_bucket: jax.Array
+  nonfinite_leaf: jax.Array
   inner_state: optax.OptState
 
   @property
@@ -149,7 +149,7 @@ def _loss_scaling(
       consecutive_skips=jnp.zeros((), jnp.int32),
       diverged=jnp.zeros((), jnp.bool_),
       skip_history=jnp.zeros((), jnp.uint32),
-      nonfinite_bucket=jnp.full((), -1, jnp.int32),
+      nonfinite_leaf=jnp.full((), -1, jnp.int32),
       inner_state=inner_state,
     )
 
@@ -165,7 +165,7 @@ def _loss_scaling(
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
 
-    ok, bucket = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
+    ok, leaf = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
     grads = multiply(updates, 1 / state.loss_scale)
     new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     # p + (-0.0) is p bitwise for every p, -0.0 included; p + 0.0 is not.
@@ -188,7 +188,7 @@ def _loss_scaling(
       ),
       diverged=state.diverged | (skipped & at_floor),
       skip_history=(state.skip_history << jnp.uint32(1)) | skipped.astype(jnp.uint32),
-      nonfinite_bucket=jnp.where(ok, state.nonfinite_bucket, bucket),
+      nonfinite_leaf=jnp.where(ok, state.nonfinite_leaf, leaf),
       inner_state=inner_state,
     )
 
@@ -216,16 +216,17 @@ def dynamic_loss_scale(
 
   1. unscales them: each leaf is converted to float32 (float64 stays float64)
      and multiplied by ``1 / scale``, as :func:`mpx.unscale` does;
-  2. checks that every unscaled element is finite (one fused reduction over
-     buckets of the scaled gradients);
+  2. checks that every unscaled element is finite (one fused kernel per leaf,
+     then one reduction over all leaves; the unscaled tree is not
+     materialised for it);
   3. if so, runs ``inner`` on the unscaled float32 gradients, so clipping,
      weight decay and every other inner transform see the true gradients;
      otherwise returns updates of ``-0.0`` (``p + (-0.0)`` is ``p`` bitwise,
      ``-0.0`` included) and leaves the inner state bitwise untouched (moments,
      ``count``: a learning-rate schedule does not advance);
   4. adjusts the scale by the rule below, counts skipped steps, and records
-     which bucket of gradient leaves broke a skipped step
-     (``nonfinite_bucket``, for :func:`mpx.nonfinite_gradient_paths`) and
+     which gradient leaf broke a skipped step
+     (``nonfinite_leaf``, for :func:`mpx.nonfinite_gradient_paths`) and
      the last 32 steps' skips (``skip_history``, for the overflow rate of
      :func:`mpx.loss_scale_metrics`).
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import dtypes, errors, finite_check, loss_scaling
+from mpx._src import dtypes, errors, loss_scaling
 from mpx._src import tree as tree_lib
 from mpx._src.loss_scaling import LossScaleState
 
@@ -86,8 +86,8 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     step), ``growth_tracker``, ``diverged``, ``overflow_rate`` (float32: the
     fraction of the last 32 steps that were skipped, read from
     ``skip_history``; steps before the first count as finite) and
-    ``nonfinite_bucket`` (int32: the bucket of gradient leaves that broke the
-    last skipped step, ``-1`` before any; name its leaves with
+    ``nonfinite_leaf`` (int32: the index of the first gradient leaf that
+    was not finite in the last skipped step, ``-1`` before any; name it with
     :func:`mpx.nonfinite_gradient_paths`).
 
   Raises:
@@ -101,7 +101,7 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     >>> for g in ([1.0, 2.0], [jnp.inf, 1.0], [1.0, 1.0], [1.0, jnp.nan]):
     ...   _, state = tx.update({"w": jnp.array(g)}, state, params)
     >>> metrics = mpx.loss_scale_metrics(state)
-    >>> metrics["overflow_rate"], metrics["nonfinite_bucket"]  # 2 of the last 32 steps
+    >>> metrics["overflow_rate"], metrics["nonfinite_leaf"]  # 2 of the last 32 steps
     (Array(0.0625, dtype=float32), Array(0, dtype=int32))
   """
   s = find_loss_scale_state(opt_state)
@@ -113,55 +113,52 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     "growth_tracker": s.growth_tracker,
     "diverged": s.diverged,
     "overflow_rate": jax.lax.population_count(s.skip_history).astype(jnp.float32) / 32,
-    "nonfinite_bucket": s.nonfinite_bucket,
+    "nonfinite_leaf": s.nonfinite_leaf,
   }
 
 
 def nonfinite_gradient_paths(opt_state: Any, params: Any) -> list[str]:
-  """Names the gradient leaves of the bucket that broke the last skipped step (host side).
+  """Names the gradient leaf that broke the last skipped step (host side).
 
-  The loss-scaling check reduces the gradients in buckets: every leaf larger
-  than 2**16 elements alone, all smaller ones together (see
-  :func:`mpx.dynamic_loss_scale`). The state records, at each skipped step,
-  the first bucket whose running L1 norm was not finite; this function turns
-  that index into leaf paths, from the params' structure and shapes (the
-  gradients have the same). A one-leaf bucket names the culprit; the shared
-  bucket narrows it down to the small leaves (biases, norm scales...).
+  At each skipped step the loss-scaling check records the first leaf, in
+  tree order, with an element that was not finite once unscaled
+  (``LossScaleState.nonfinite_leaf``); this function turns that index into
+  the leaf's path, from the params' structure (the gradients have the same).
 
   Args:
     opt_state: an optax state that contains one :class:`LossScaleState` (the
-      bucket index is read to the host).
+      leaf index is read to the host).
     params: the params the gradients were taken of, or any tree with the
-      gradients' structure, shapes and dtypes.
+      gradients' structure.
 
   Returns:
-    The ``/``-joined paths of the bucket's leaves, in tree order; empty when
-    no step has been skipped.
+    A list with the ``/``-joined path of that leaf; empty when no step has
+    been skipped.
 
   Raises:
     StateError: if ``opt_state`` holds no loss-scale state, or several, or the
-      bucket index does not fit ``params`` (params of another model).
+      leaf index does not fit ``params`` (params of another model).
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
     >>> params = {"big": jnp.ones(70_000), "bias": jnp.ones(3), "scale": jnp.ones(3)}
     >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
-    >>> grads = {"big": jnp.full(70_000, jnp.inf), "bias": jnp.ones(3), "scale": jnp.ones(3)}
+    >>> grads = {"big": jnp.ones(70_000), "bias": jnp.ones(3), "scale": jnp.full(3, jnp.inf)}
     >>> _, state = tx.update(grads, tx.init(params), params)
     >>> mpx.nonfinite_gradient_paths(state, params)
-    ['big']
+    ['scale']
   """
-  index = int(jax.device_get(find_loss_scale_state(opt_state).nonfinite_bucket))
+  index = int(jax.device_get(find_loss_scale_state(opt_state).nonfinite_leaf))
   if index < 0:
     return []
-  plan = finite_check.buckets(params)
-  if index >= len(plan):
-    raise errors.StateError(
-      f"The loss-scale state records bucket {index}, but these params give only {len(plan)} "
-      "buckets. Pass the params the gradients of the skipped step were taken of."
-    )
   paths = [tree_lib.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-  return [paths[i] for i in plan[index]]
+  if index >= len(paths):
+    raise errors.StateError(
+      f"The loss-scale state records gradient leaf {index}, but these params have "
+      f"{len(paths)} leaf{'' if len(paths) == 1 else 's'} (indices from 0). Pass the params the "
+      "gradients of the skipped step were taken of."
+    )
+  return [paths[index]]
 
 
 def check_loss_scale(opt_state: Any) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 import optax
 
 import mpx
+from mpx._src import finite_check
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt
@@ -154,22 +155,18 @@ def _all_finite_per_leaf(grads: PyTree, inv_scale: jax.Array) -> jax.Array:
 def _all_finite_rows(width: int, barrier: bool = True) -> Callable[[PyTree, jax.Array], jax.Array]:
   """``isfinite(g * inv_scale)`` reduced in rows of ``width``, then once over all leaves' rows.
 
-  The formulation mpx ships (``mpx/_src/finite_check.py``), without its
-  attribution, for any row width; ``barrier=False`` drops the optimization
-  barrier on the concatenated row flags.
+  The formulation mpx ships (``mpx/_src/finite_check.py``, whose row cutting
+  it reuses), without its attribution, for any row width; ``barrier=False``
+  drops the optimization barrier on the concatenated row flags.
   """
 
   def check(grads: PyTree, inv_scale: jax.Array) -> jax.Array:
-    rows = []
-    for g in jax.tree.leaves(grads):
-      finite = jnp.isfinite(g.astype(jnp.float32) * inv_scale)
-      if g.ndim and g.shape[-1] % width == 0:
-        rows.append(jnp.all(finite.reshape(*g.shape[:-1], -1, width), axis=-1).ravel())
-      elif g.ndim and g.shape[-1] <= width:
-        rows.append(jnp.all(finite, axis=-1).ravel())
-      else:
-        rows.append(jnp.all(finite).reshape(1))
-    flags = jnp.concatenate(rows)
+    flags = jnp.concatenate(
+      [
+        finite_check.row_flags(jnp.isfinite(g.astype(jnp.float32) * inv_scale), width)
+        for g in jax.tree.leaves(grads)
+      ]
+    )
     return jnp.all(jax.lax.optimization_barrier(flags) if barrier else flags)
 
   return check

@@ -786,7 +786,7 @@ def test_last_step_skipped_is_read_from_the_state_and_the_metrics():
 
 
 def _attribution_params():
-  # One leaf for each way the check cuts a leaf into rows of 32 (see finite_check._row_flags).
+  # One leaf for each way the check cuts a leaf into rows of 32 (see finite_check.row_flags).
   return {
     "a_big": jnp.zeros(70_000),  # no row length fits: reduced whole
     "b_small": jnp.zeros(3),  # last axis <= 32: one row
@@ -852,9 +852,8 @@ def test_the_check_and_the_attribution_match_numpy(shapes, dtype, log2_scale, ba
   # Reference: the unscaled gradients in float64, element by element.
   rng = np.random.default_rng(len(shapes))
   grads = [rng.uniform(-2.0, 2.0, s).astype(dtype) for s in shapes]
-  big = float(
-    jnp.finfo(dtype).max
-  )  # finite; in float32 and bfloat16 it overflows unscaled by a scale < 1
+  # Finite, but in float32 and bfloat16 it overflows once unscaled by a scale below 1.
+  big = float(jnp.finfo(dtype).max)
   for leaf, position, kind in bad:
     leaf %= len(grads)
     if grads[leaf].size:

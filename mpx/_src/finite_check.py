@@ -45,21 +45,28 @@ def all_finite(tree: Any) -> jax.Array:
   return functools.reduce(jnp.logical_and, flags, jnp.asarray(True))
 
 
-def _row_flags(finite: jax.Array) -> jax.Array:
-  """Reduces a leaf's elementwise flags to one flag per row of at most 32 elements, raveled.
+def row_flags(finite: jax.Array, width: int = _ROW) -> jax.Array:
+  """Reduces a leaf's elementwise flags to one flag per row of at most ``width`` elements, raveled.
 
   The rows run along the last axis when it allows, so that a leaf sharded
   along any axis keeps its sharding through the reduction.
+
+  Args:
+    finite: a bool array, the elementwise ``isfinite`` of one gradient leaf.
+    width: the row length (32 in the check; other widths for the benchmark).
+
+  Returns:
+    A 1-D bool array: ``all`` over each row, in row-major order.
   """
   shape = finite.shape
   if not shape:
     return finite.reshape(1)
-  if shape[-1] % _ROW == 0:
-    rows = finite.reshape(*shape[:-1], shape[-1] // _ROW, _ROW)
-  elif shape[-1] <= _ROW:
+  if shape[-1] % width == 0:
+    rows = finite.reshape(*shape[:-1], shape[-1] // width, width)
+  elif shape[-1] <= width:
     rows = finite
-  elif finite.size % _ROW == 0:
-    rows = finite.reshape(-1, _ROW)
+  elif finite.size % width == 0:
+    rows = finite.reshape(-1, width)
   else:  # a reduction XLA may split: correct, one or two kernels more for this leaf
     return jnp.all(finite).reshape(1)
   return jnp.all(rows, axis=-1).ravel()
@@ -96,7 +103,7 @@ def finite_after_unscale(
   rows = []
   for g in leaves:
     wide = unscaled_dtype(np.dtype(g.dtype))
-    rows.append(_row_flags(jnp.isfinite(g.astype(wide) * inv.astype(wide))))
+    rows.append(row_flags(jnp.isfinite(g.astype(wide) * inv.astype(wide))))
   ends = np.cumsum([r.size for r in rows])
   flags = jax.lax.optimization_barrier(jnp.concatenate(rows))
   first = jnp.argmin(flags)  # the first False; 0 when every flag is True

@@ -23,3 +23,18 @@ jax.config.update("jax_numpy_dtype_promotion", "strict")
 def _strict_promotion():
   with jax.numpy_dtype_promotion("strict"):
     yield
+
+
+# Tests of the repository around the library (docs pages, the demo, the examples, the
+# benchmark scripts, multi-process runs) are marked ``repo``: ``pytest -m "not repo"`` is
+# the fast unit loop, ``pytest`` (what CI runs) is everything.
+_REPO_MODULES = frozenset(
+  {"test_docs.py", "test_demo.py", "test_examples.py", "test_benchmarks.py", "test_multiprocess.py"}
+)
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  for item in items:
+    if item.path.name in _REPO_MODULES:
+      item.add_marker(pytest.mark.repo)

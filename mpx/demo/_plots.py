@@ -94,8 +94,8 @@ def _loss_scales(
   scaled = [r for r in rows if r["loss_scaling"] == "dynamic"]
   start = f" from {_scale_name(scaled[0]['curves']['loss_scale'][0])}" if scaled else ""
   title = (
-    f"Dynamic loss scale{start}: doubled after {growth_interval} finite steps, halved (and the "
-    "step skipped) on overflow"
+    f"Dynamic loss scale{start}, doubled after {growth_interval} finite steps\n"
+    "and halved, the step skipped, when the gradients overflow"
   )
   low, high = _safe_window(gradients)
   ax.axhline(

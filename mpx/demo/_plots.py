@@ -119,9 +119,8 @@ def _loss_scales(
     if (twin := _same_as(scales, drawn, 0.0)) is not None:
       label += f", the same trajectory as {twin}"
     drawn[r["name"]] = scales
-    style = _style(k)
-    style.pop("marker"), style.pop("markersize"), style.pop("markerfacecolor")
-    (line,) = ax.step(steps, scales, where="post", label=label, **style)
+    line_style = {key: _style(k)[key] for key in ("linestyle", "linewidth", "zorder")}
+    (line,) = ax.step(steps, scales, where="post", label=label, **line_style)
     if skipped.size:
       ax.plot(
         skipped,

@@ -58,7 +58,7 @@ def test_quick_run_lists_every_configuration_in_order(quick):
     assert f"| {name} " in stdout  # the printed table has a row per run
   assert report["settings"]["global_batch_tokens"] == 2**21  # --quick: 4x the default's 2**19
   local = report["settings"]["local_tokens"]
-  assert report["settings"]["mirrored_devices"] * local == 2**19
+  assert report["settings"]["mirrored_devices"] * local == 2**21
   assert report["gradient_sample"]["values"] > 0
   assert report["notes"] and all(isinstance(n, str) for n in report["notes"])
 

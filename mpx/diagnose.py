@@ -3,7 +3,9 @@
 Writes a Figure-3-style magnitude histogram, a heat map of flushed fractions
 per module and a loss-scale trajectory as PNGs, and prints the recommended
 static scale and the non-finite locator's report. ``--help`` lists the
-options. Needs matplotlib (``pip install "mpx-mixed-precision[plots]"``).
+options and their defaults. The PNGs need matplotlib
+(``pip install "mpx-mixed-precision[plots]"``); without it the text report is
+printed all the same (``--plots always`` makes a missing matplotlib an error).
 """
 
 from mpx._src.diagnose import main

@@ -392,3 +392,74 @@ def test_matmul_time_estimate_per_operand_class():
   assert report.estimate_matmul_seconds("A100")["half"] == pytest.approx(flops / 312e12)
   with pytest.raises(mpx.ConfigError, match="H100 SXM"):
     report.estimate_matmul_seconds("TPU v5e")
+
+
+def test_upcast_through_an_identity_convert_flags_both_operands():
+  # `w.astype(float32)` meeting a promoted bfloat16 `x`: JAX converts w to float32,
+  # then emits an identity convert (f32 -> f32) for the dot; both sides are half data.
+  def f(x, w):
+    return x @ w.astype(jnp.float32)
+
+  x, w = jnp.ones((16, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
+  with jax.numpy_dtype_promotion("standard"):
+    (op,) = mpx.audit(f, x, w).ops
+    (fp8_op,) = mpx.audit(f, x, w.astype(jnp.float8_e4m3fn)).ops
+
+  assert op.upcast == ("lhs", "rhs")
+  assert (op.lhs_dtype, op.rhs_dtype) == (np.dtype(jnp.float32),) * 2
+  # The float8 kernel is recognised through the same identity convert.
+  assert fp8_op.fp8 == (None, np.dtype(jnp.float8_e4m3fn))
+
+
+def test_stablehlo_module_defines_each_name_once():
+  # A second `_LAYOUT_OPS = ...` once silently replaced the first, dropping an entry.
+  tree = ast.parse(
+    pathlib.Path(mpx.__file__).with_name("_src").joinpath("stablehlo.py").read_text()
+  )
+  names = [
+    target.id
+    for node in tree.body
+    if isinstance(node, ast.Assign)
+    for target in node.targets
+    if isinstance(target, ast.Name)
+  ]
+  assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+
+
+def test_rematted_module_backward_ops_name_the_module_path_once():
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jnp.tanh(nn.Dense(8, name="proj")(x))
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.remat(Block)(name="block")(Block(name="plain")(x))
+
+  model, x = Model(), jnp.ones((4, 8))
+  params = model.init(jax.random.key(0), x)
+  report = mpx.audit(jax.grad(lambda p: model.apply(p, x).sum()), params)
+
+  paths = {op.module_path for op in report.ops}
+  assert paths == {"Model/plain/proj", "Model/block/proj"}
+  # The recomputed forward product and the two gradient products of the rematted block.
+  assert len(report.filter("block", backward=True).ops) == 3
+
+
+def test_module_nested_in_a_namesake_keeps_both_names():
+  class Inner(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return nn.Dense(8, name="Model")(x)
+
+  class Model(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return Inner(name="Model")(x)
+
+  model, x = Model(), jnp.ones((4, 8))
+  params = model.init(jax.random.key(0), x)
+  report = mpx.audit(jax.grad(lambda p: model.apply(p, x).sum()), params)
+
+  assert {op.module_path for op in report.ops} == {"Model/Model/Model"}

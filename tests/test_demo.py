@@ -2,12 +2,14 @@
 
 The subprocess runs as CI runs it, with warnings as errors and strict dtype
 promotion (the demo must catch the expected ``mpx.PrecisionWarning`` itself).
-Only what holds in any run is asserted: no timings, and no claim that float16
-without loss scaling fails on a model this small.
+Only what holds in any run is asserted (no timings), and what the quick run is
+for: float16 without loss scaling visibly worse than float32 while the loss-scaled
+float16 runs match it, and a loss scale that moves.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -54,9 +56,9 @@ def test_quick_run_lists_every_configuration_in_order(quick):
   assert [run["name"] for run in report["runs"]] == NAMES
   for name in NAMES:
     assert f"| {name} " in stdout  # the printed table has a row per run
-  assert report["settings"]["global_batch_tokens"] == 2**19
+  assert report["settings"]["global_batch_tokens"] == 2**21  # --quick: 4x the default's 2**19
   local = report["settings"]["local_tokens"]
-  assert report["settings"]["mirrored_devices"] * local == 2**19
+  assert report["settings"]["mirrored_devices"] * local == 2**21
   assert report["gradient_sample"]["values"] > 0
   assert report["notes"] and all(isinstance(n, str) for n in report["notes"])
 
@@ -104,6 +106,39 @@ def test_quick_run_values_that_hold_in_any_run(quick):
   assert runs["float32"]["bytes_per_param"] == pytest.approx(12.0, abs=0.01)  # params + 2 moments
   assert runs["float16_bare"]["warning"] and "master" in runs["float16_bare"]["warning"]
   assert all(run["warning"] is None for name, run in runs.items() if name != "float16_bare")
+
+
+def test_quick_run_shows_float16_failing_without_loss_scaling(quick):
+  report, _, stdout = quick
+  runs = {run["name"]: run for run in report["runs"]}
+  unscaled = runs["float16_masters_unscaled"]
+  assert unscaled["val_loss_minus_float32"] > report["fail_margin"] > 0
+  assert "float16_masters_unscaled: FAILS" in stdout
+  assert runs["float16_bare"]["val_loss"] is None  # not finite
+  for name in ("mixed_float16", "float16_masters"):
+    assert abs(runs[name]["val_loss_minus_float32"]) < report["match_margin"]
+    assert f"{name}: MATCHES" in stdout
+
+
+def test_quick_run_loss_scale_moves(quick):
+  report, _, _ = quick
+  growth_interval = max(1, report["settings"]["steps"] // 15)
+  for run in report["runs"]:
+    scales = run["curves"]["loss_scale"]
+    if run["loss_scaling"] == "none":
+      assert set(scales) == {1.0}
+      continue
+    # From mpx's default 2**15, doubled after every growth_interval finite steps, halved on an
+    # overflow: the trajectory the plot draws, not a flat line.
+    assert scales[0] == 2.0**15
+    assert len(set(scales)) > 3 and max(scales) >= 2.0**18
+    held = 1  # steps in a row at the current scale
+    for i, (before, after) in enumerate(itertools.pairwise(scales), start=1):
+      assert after in (before, 2 * before, before / 2), (run["name"], i, before, after)
+      assert (after == before / 2) == (i in run["curves"]["skipped_at"])
+      if after == 2 * before:
+        assert held >= growth_interval, (run["name"], i)
+      held = held + 1 if after == before else 1
 
 
 def test_quick_run_draws_the_pngs(quick):

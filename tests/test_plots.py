@@ -1,6 +1,5 @@
-"""Plots (what they draw, read back from the axes) and the ``python -m mpx.diagnose`` command."""
+"""Plots: what they draw, read back from the axes."""
 
-import re
 import subprocess
 import sys
 
@@ -10,7 +9,7 @@ import pytest
 from matplotlib.colors import to_rgba
 
 import mpx
-from mpx._src import diagnose, plots
+from mpx._src import plots
 
 FLUSHED, SUBNORMAL, NORMAL, OVERFLOW = plots._COLOURS
 
@@ -85,23 +84,6 @@ def test_a_missing_matplotlib_names_the_extra(monkeypatch):
   monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
   with pytest.raises(ImportError, match=r"mpx-mixed-precision\[plots\]"):
     plots.plot_loss_scale([1.0, 2.0])
-
-
-def test_the_diagnose_command_writes_the_three_pngs(tmp_path, capsys):
-  diagnose.main(["--out", str(tmp_path), "--steps", "4", "--depth", "2"])
-  out = capsys.readouterr().out
-  for name in ("activation_gradients.png", "flushed_heatmap.png", "loss_scale.png"):
-    data = (tmp_path / name).read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
-  assert "Recommended static scale" in out and "Non-finite locator" in out
-  assert re.search(r"Mixed float16 training: [1-4] of 4 steps skipped", out)  # from 2**24
-
-
-def test_the_diagnose_module_runs_with_help():
-  result = subprocess.run(
-    [sys.executable, "-m", "mpx.diagnose", "--help"], capture_output=True, text=True, timeout=120
-  )
-  assert result.returncode == 0 and "--dtype" in result.stdout
 
 
 def test_import_mpx_does_not_import_matplotlib():

@@ -35,7 +35,8 @@ class MatmulOp:
     algorithm_precision: the operand precision type of a pinned dot algorithm
       (``"tf32"``, ``"f32"``, ``"bf16"``...), else ``None``.
     upcast: which operands (``"lhs"``, ``"rhs"``) are a half-precision tensor
-      converted to a wider float just before the op: half data multiplied as
+      converted to a wider float just before the op (through reshapes,
+      transposes, broadcasts and chains of converts): half data multiplied as
       float32, typically a float32 cotangent meeting a half activation in the
       backward pass, or float32 params promoting half inputs.
     lhs_shape: shape of the left operand.
@@ -465,7 +466,10 @@ def audit(
   marks a backward op), function names (``jit(...)``), einsum specs, JAX's own
   scopes (``while``, ``body``, ``checkpoint``...) and the primitive, leaving
   ``Decoder/Block_0/Dense_0``: the root module's class name, then the path of
-  the params. NNX pushes no names; there the path is rebuilt from the Python
+  the params. The body of a ``jax.checkpoint`` (``nn.remat``) replays the
+  name stack it was traced under when it is recomputed in the backward pass
+  (``transpose(jvp(Model))/jvp(Model)/checkpoint/...``); the repeated scope is
+  dropped, so the path names each module once. NNX pushes no names; there the path is rebuilt from the Python
   call stack kept in the location (``NnxDecoder/NnxBlock/NnxMlp/Linear``:
   class names, a method other than ``__call__`` appended as ``.method``).
 

@@ -123,6 +123,7 @@ def _location_name(location: str) -> str:
 def _module_path(name: str, location: str) -> tuple[str, bool]:
   """Returns ``(module path, is_backward)`` from a name stack and its location."""
   segments, transforms = [], set()
+  last_wrappers: list[str] = []
   for raw in name.split("/")[:-1]:  # The last segment is the primitive.
     seg, wrappers = raw, []
     while match := _WRAPPED.fullmatch(seg):
@@ -132,7 +133,14 @@ def _module_path(name: str, location: str) -> tuple[str, bool]:
     if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg:
       continue  # A function name or an einsum spec, not a module.
     if seg and seg not in _INTERNAL_SCOPES:
-      segments.append(seg)
+      # A rematerialised body replays the name stack it was traced under inside
+      # its transpose: 'transpose(jvp(Model))/jvp(Model)/checkpoint/...'. The
+      # replay carries the inner wrappers of the scope it repeats; a module
+      # nested in a namesake (`Model/Model`) carries none and is kept.
+      reentered = wrappers and wrappers == last_wrappers[len(last_wrappers) - len(wrappers) :]
+      if not (segments and segments[-1] == seg and reentered):
+        segments.append(seg)
+      last_wrappers = wrappers
   if not segments:
     # No module names on the name stack (NNX, plain functions): use the Python
     # call stack that the location keeps, innermost frame first.
@@ -209,24 +217,41 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
 
 
 # Ops that move or replicate elements without computing: an upcast stays an upcast through them.
-_LAYOUT_OPS = frozenset(
-  {"stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim", "stablehlo.copy"}
-)
+# (jax's `copy` primitive lowers to no op at all, so there is no copy to look through.)
+_LAYOUT_OPS = frozenset({"stablehlo.transpose", "stablehlo.reshape", "stablehlo.broadcast_in_dim"})
+
+
+def _float_convert_source(op: Any) -> np.dtype | None:
+  """The source dtype of a float-to-float ``convert``, else ``None``."""
+  if getattr(op, "name", None) != "stablehlo.convert":
+    return None
+  source, _ = _tensor(str(op.operands[0].type))
+  target, _ = _tensor(str(op.results[0].type))
+  return source if dtypes_lib.is_floating(source) and dtypes_lib.is_floating(target) else None
 
 
 def _upcast_from_half(value: Any) -> bool:
-  """Whether ``value`` is a half-precision tensor converted to a wider float (then maybe reshaped)."""
-  owner = value.owner
-  while getattr(owner, "name", None) in _LAYOUT_OPS:
-    owner = owner.operands[0].owner
-  if getattr(owner, "name", None) != "stablehlo.convert":
-    return False  # a block argument, or computed by another op
-  source, _ = _tensor(str(owner.operands[0].type))
+  """Whether ``value`` is a half-precision tensor converted to a wider float.
+
+  Looks back through layout ops and through every float ``convert`` of the
+  chain: JAX emits identity converts (``f32 -> f32``) and convert chains
+  (``bf16 -> f32 -> f32`` for ``w.astype(float32)`` meeting a promoted operand),
+  so the convert from half is not always the op's direct producer.
+  """
   target, _ = _tensor(str(value.type))
-  return dtypes_lib.is_half(source) and dtypes_lib.is_floating(target) and target.itemsize > 2
-
-
-_LAYOUT_OPS = frozenset({"stablehlo.reshape", "stablehlo.transpose", "stablehlo.broadcast_in_dim"})
+  if not dtypes_lib.is_floating(target) or target.itemsize <= 2:
+    return False
+  owner, from_half = value.owner, False
+  while True:
+    name = getattr(owner, "name", None)
+    if name in _LAYOUT_OPS:
+      owner = owner.operands[0].owner
+      continue
+    source = _float_convert_source(owner)
+    if source is None:
+      return from_half  # a block argument, or computed by another op
+    from_half = from_half or dtypes_lib.is_half(source)
+    owner = owner.operands[0].owner
 
 
 def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
@@ -240,6 +265,8 @@ def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
   name = getattr(owner, "name", None)
   if name == "stablehlo.convert":
     source, _ = _tensor(str(owner.operands[0].type))
+    if depth < 4 and str(owner.operands[0].type) == str(value.type):
+      return _dequantized_from(owner.operands[0], depth + 1)  # an identity convert
     return source if dtypes_lib.is_floating(source) and source.itemsize == 1 else None
   if depth < 4 and name in ("stablehlo.multiply", "stablehlo.divide"):
     return _dequantized_from(owner.operands[0], depth + 1) or (

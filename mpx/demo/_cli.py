@@ -38,6 +38,9 @@ QUICK = _settings.Settings(
   learning_rate=1e-2,
   eval_every=10,
   eval_sequences=16,
+  # Four times the default's global batch: smaller per-token gradients, so that
+  # float16 without loss scaling fails within these 30 steps too.
+  global_batch_tokens=2**21,
   fast_compile=True,
 )
 """``--quick``: the same table from a tiny model and a few steps (what CI runs)."""
@@ -176,7 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
   for line in notes:
     print(f"* {line}")
   pngs = _plots.save_plots(
-    out, rows, unigram=unigram, gradients=sample.values, gradient_source=sample.source
+    out,
+    rows,
+    unigram=unigram,
+    gradients=sample.values,
+    gradient_source=sample.source,
+    growth_interval=settings.growth_interval,
   )
   if pngs is None:
     print("* matplotlib is not installed (pip install 'mpx-mixed-precision[demo]'): no PNGs.")

@@ -24,7 +24,9 @@ class RunConfig:
   Attributes:
     name: the name ``--configs`` accepts.
     policy: the spec passed to ``mpx.get_policy``.
-    loss_scaling: ``"dynamic"`` or ``None``, passed as ``mixed_precision``'s ``loss_scale``.
+    loss_scaling: ``"dynamic"`` or ``None``: ``mixed_precision``'s ``loss_scale``
+      (dynamic float16 runs grow their scale every
+      :attr:`~mpx.demo._settings.Settings.growth_interval` steps).
     masters: whether half-precision params get float32 masters (``master_dtype``).
     layout: a few words on where params and optimizer state live.
     shows: one line on what the run demonstrates.

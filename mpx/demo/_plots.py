@@ -23,20 +23,48 @@ def _figure(width: float = 8.0, height: float = 4.8) -> Any:
   return Figure(figsize=(width, height), layout="constrained")
 
 
+# Runs that match one another draw identical curves: each gets its own line style and
+# hollow marker shape, widest first, so the ones drawn later stay visible on top.
+_STYLES = (
+  {"linestyle": "-", "marker": "o", "linewidth": 3.0, "markersize": 9},
+  {"linestyle": "--", "marker": "s", "linewidth": 2.2, "markersize": 7},
+  {"linestyle": "-.", "marker": "^", "linewidth": 1.6, "markersize": 6},
+  {"linestyle": ":", "marker": "D", "linewidth": 1.4, "markersize": 4},
+  {"linestyle": "-", "marker": "v", "linewidth": 1.0, "markersize": 4},
+  {"linestyle": "--", "marker": "P", "linewidth": 1.0, "markersize": 4},
+)
+
+
+def _style(k: int) -> dict[str, Any]:
+  return {**_STYLES[k % len(_STYLES)], "markerfacecolor": "none", "zorder": 2 + k}
+
+
+def _same_as(values: np.ndarray, earlier: dict[str, np.ndarray], tolerance: float) -> str | None:
+  """The name of an earlier curve that ``values`` lies on (to ``tolerance``), if any."""
+  for name, other in earlier.items():
+    if other.shape == values.shape and np.allclose(other, values, rtol=0, atol=tolerance):
+      return name
+  return None
+
+
 def _validation_curves(rows: list[dict[str, Any]], unigram: float, path: pathlib.Path) -> None:
   fig = _figure()
   ax = fig.add_subplot()
-  for r in rows:
+  drawn: dict[str, np.ndarray] = {}
+  for k, r in enumerate(rows):
     steps = np.asarray(r["curves"]["eval_steps"], float)
     losses = np.asarray([np.nan if v is None else v for v in r["curves"]["val_loss"]], float)
     label = r["name"]
     finite = np.isfinite(losses)
     if r["first_nonfinite_step"]:
       label += f" (loss not finite from step {r['first_nonfinite_step']})"
+    elif (twin := _same_as(losses, drawn, 0.01)) is not None:
+      label += f" (on {twin}'s curve)"
+    drawn[r["name"]] = losses
     if r["name"] == _REFERENCE:  # wide and underneath, so the runs that match it stay visible
       style = {"color": "black", "linewidth": 5, "alpha": 0.35, "zorder": 1}
     else:
-      style = {"linewidth": 1.5, "marker": "o", "markersize": 3, "zorder": 2}
+      style = _style(k)
     (line,) = ax.plot(steps, losses, label=label, **style)
     if not finite.all() and finite.any():
       last = np.flatnonzero(finite)[-1]
@@ -58,10 +86,17 @@ def _safe_window(values: np.ndarray) -> tuple[float, float]:
   return 2.0 ** min(flush_ok, default=80), 2.0 ** max(overflow_ok, default=-10)
 
 
-def _loss_scales(rows: list[dict[str, Any]], gradients: np.ndarray, path: pathlib.Path) -> None:
+def _loss_scales(
+  rows: list[dict[str, Any]], gradients: np.ndarray, growth_interval: int, path: pathlib.Path
+) -> None:
   fig = _figure(8.0, 4.4)
   ax = fig.add_subplot()
   scaled = [r for r in rows if r["loss_scaling"] == "dynamic"]
+  start = f" from {_scale_name(scaled[0]['curves']['loss_scale'][0])}" if scaled else ""
+  title = (
+    f"Dynamic loss scale{start}, doubled after {growth_interval} finite steps\n"
+    "and halved, the step skipped, when the gradients overflow"
+  )
   low, high = _safe_window(gradients)
   ax.axhline(
     low,
@@ -75,22 +110,43 @@ def _loss_scales(rows: list[dict[str, Any]], gradients: np.ndarray, path: pathli
     linestyle=":",
     label=f"above {_scale_name(high)}: the largest sampled activation gradient overflows",
   )
-  for r in scaled:
+  drawn: dict[str, np.ndarray] = {}
+  for k, r in enumerate(scaled):
     scales = np.asarray(r["curves"]["loss_scale"], float)
     steps = np.arange(1, scales.size + 1)
     skipped = np.asarray(r["curves"]["skipped_at"], int)
-    (line,) = ax.step(steps, scales, where="post", label=f"{r['name']} ({skipped.size} skipped)")
+    label = f"{r['name']} ({skipped.size} skipped)"
+    if (twin := _same_as(scales, drawn, 0.0)) is not None:
+      label += f", the same trajectory as {twin}"
+    drawn[r["name"]] = scales
+    line_style = {key: _style(k)[key] for key in ("linestyle", "linewidth", "zorder")}
+    (line,) = ax.step(steps, scales, where="post", label=label, **line_style)
     if skipped.size:
-      ax.plot(skipped, scales[skipped - 1], "x", color=line.get_color(), markersize=8)
+      ax.plot(
+        skipped,
+        scales[skipped - 1],
+        _STYLES[k % len(_STYLES)]["marker"],
+        color=line.get_color(),
+        markerfacecolor="none",
+        markersize=10 - 2 * k,
+        zorder=10 + k,
+      )
   if scaled:
-    ax.plot([], [], "x", color="black", label="skipped step (non-finite gradients)")
+    ax.plot(
+      [],
+      [],
+      "o",
+      color="black",
+      markerfacecolor="none",
+      label="skipped step (non-finite gradients)",
+    )
   else:
     ax.text(0.5, 0.5, "no run with loss scaling", ha="center", transform=ax.transAxes)
   ax.set_yscale("log", base=2)
   ax.legend(fontsize="small")
   ax.set_xlabel("step")
   ax.set_ylabel("loss scale used by the step")
-  ax.set_title("Dynamic loss scale (skipped steps marked)")
+  ax.set_title(title)
   ax.grid(alpha=0.3)
   fig.savefig(path, dpi=120)
 
@@ -160,6 +216,7 @@ def save_plots(
   unigram: float,
   gradients: np.ndarray,
   gradient_source: str,
+  growth_interval: int,
 ) -> list[pathlib.Path] | None:
   """Draws the validation curves, the loss-scale trajectories and the gradient histogram.
 
@@ -169,6 +226,7 @@ def save_plots(
     unigram: the unigram model's validation loss, drawn as a reference line.
     gradients: the float32 activation gradients.
     gradient_source: which run's params they were measured at.
+    growth_interval: finite steps between loss-scale growths, for the title.
 
   Returns:
     The paths written, or ``None`` if matplotlib is not installed.
@@ -179,7 +237,7 @@ def save_plots(
     return None
   paths = [out / "val_loss.png", out / "loss_scale.png", out / "activation_gradients.png"]
   _validation_curves(rows, unigram, paths[0])
-  _loss_scales(rows, gradients, paths[1])
+  _loss_scales(rows, gradients, growth_interval, paths[1])
   scaled = [r for r in rows if r["loss_scaling"] == "dynamic"]
   preferred = sorted(scaled, key=lambda r: r["name"] != "mixed_float16")
   shown = (preferred[0]["name"], preferred[0]["final_loss_scale"]) if preferred else None

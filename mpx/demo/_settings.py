@@ -55,6 +55,17 @@ class Settings:
     return jax.jit(fun, compiler_options=options)
 
   @property
+  def growth_interval(self) -> int:
+    """Finite steps between loss-scale growths in the float16 runs: 15 growths per run.
+
+    mpx's default rule grows every 2000 steps, so in a run this short the
+    scale would hold still at its initial 2**15; growing often shows the rule
+    at work: doubling until the gradients overflow, then halving and skipping
+    that step.
+    """
+    return max(1, self.steps // 15)
+
+  @property
   def local_tokens(self) -> int:
     """Tokens per step on this device."""
     return self.batch_size * self.model.max_len

@@ -27,9 +27,9 @@ import numpy as np
 import optax
 
 import mpx
+from mpx._src.progress import Progress
 from mpx.demo._configs import RunConfig
 from mpx.demo._model import CharTransformer
-from mpx.demo._progress import Progress
 from mpx.demo._settings import Data, Settings
 
 
@@ -152,10 +152,13 @@ def make_optimizer(config: RunConfig, settings: Settings) -> optax.GradientTrans
     inner = mpx.with_kahan_summation(inner)
   elif config.compensation == "stochastic":
     inner = mpx.with_stochastic_rounding(inner, key=jax.random.key(settings.seed))
+  loss_scale: Any = config.loss_scaling
+  if config.scaled:
+    loss_scale = functools.partial(mpx.dynamic_loss_scale, growth_interval=settings.growth_interval)
   return mpx.mixed_precision(
     inner,
     config.policy,
-    loss_scale=config.loss_scaling,
+    loss_scale=loss_scale,
     master_dtype=jnp.float32 if config.masters else None,
   )
 

@@ -1,4 +1,8 @@
-"""A progress bar per run: tqdm when it is installed, plain periodic lines otherwise."""
+"""Progress of the command-line tools: tqdm when it is installed, plain lines on stderr otherwise.
+
+tqdm comes with the ``demo`` extra and may be absent; the fallback prints a
+line about every tenth of a run, so CI logs stay short.
+"""
 
 from __future__ import annotations
 
@@ -57,3 +61,12 @@ class Progress:
       self._bar.close()
     if note:
       print(f"{self._name}: {note}", file=sys.stderr, flush=True)
+
+
+def stage(message: str) -> None:
+  """Announces a step of a command's work on stderr, so a long compilation is not silent.
+
+  Args:
+    message: what starts now, e.g. ``"[1/4] gradients of a float32 step"``.
+  """
+  print(message, file=sys.stderr, flush=True)

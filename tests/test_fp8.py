@@ -221,6 +221,52 @@ def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   )
 
 
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
+  # Weight sharing: one set of histories, three calls with lhs amaxes 2, 4, 3,
+  # rhs amaxes 1, 1/2, 1/4 and gradient amaxes 5, 7, 6. A sum would record 9, 1.75, 18.
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  rhs = jnp.ones((2, 1), jnp.float32)
+
+  def loss(state):
+    state = mpx.fp8_max_grad(state)
+    total = jnp.float32(0.0)
+    for a, b, g in ((2.0, 1.0, 5.0), (4.0, 0.5, 7.0), (3.0, 0.25, 6.0)):
+      out = mpx.fp8_dot_general(jnp.array([[a, 1.0]]), rhs * b, DIMS, recipe=recipe, state=state)
+      total = total + g * jnp.sum(out)
+    return total
+
+  grad = jax.grad(loss)
+  observed = (jax.jit(grad) if jit else grad)(state)
+  assert all(o.dtype == jnp.float32 and o.shape == (3,) for o in observed)
+  np.testing.assert_array_equal(
+    np.stack([np.asarray(o) for o in observed]), [[4.0, 0.0, 0.0], [1.0, 0.0, 0.0], [7.0, 0.0, 0.0]]
+  )
+
+
+def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  xs = jnp.array([[[2.0, 1.0]], [[5.0, 1.0]], [[3.0, 1.0]]])  # amaxes 2, 5, 3
+  w = jnp.full((2, 1), 0.5)
+
+  def loss(state, w):
+    state = mpx.fp8_max_grad(state)
+
+    def body(total, x):
+      return total + jnp.sum(mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)), None
+
+    return jax.lax.scan(body, jnp.float32(0.0), xs)[0]
+
+  observed, _ = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, w)
+  np.testing.assert_array_equal(np.asarray(observed[0]), [5.0, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[1]), [0.5, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[2]), [1.0, 0.0, 0.0])
+  history = mpx.update_fp8_state(state, observed)
+  assert [float(h[1]) for h in history] == [5.0, 0.5, 1.0]
+
+
 def test_amax_is_reduced_over_a_named_axis():
   recipe = mpx.Fp8Recipe(axis_name="devices")
   lhs = jnp.stack([jnp.ones((4, 8)), jnp.full((4, 8), 300.0)]).astype(jnp.bfloat16)

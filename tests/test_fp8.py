@@ -423,6 +423,89 @@ def test_accumulation_boundary_without_multisteps_is_every_step():
   assert bool(mpx.accumulation_boundary(state))
 
 
+def _float16_fp8_step(tx, recipe, use_opt_state):
+  """A jitted float16 step of one delayed-fp8 matmul under a dynamic loss scale."""
+
+  def loss(params, history, x):
+    w = params["w"].astype(jnp.float16)
+    out = mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=history)
+    return jnp.sum(out.astype(jnp.float32))
+
+  @jax.jit
+  def step(params, history, opt_state, x):
+    _, (grads, observed) = mpx.value_and_grad(loss, opt_state, argnums=(0, 1))(params, history, x)
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if use_opt_state:
+      history = mpx.update_fp8_state(history, observed, opt_state=opt_state)
+    else:
+      history = mpx.update_fp8_state(history, observed, commit=mpx.accumulation_boundary(opt_state))
+    return params, history, opt_state
+
+  return step
+
+
+_X16 = jnp.asarray(np.random.default_rng(6).uniform(-4, 4, (4, 8)), jnp.float16)
+_INF = _X16.at[1, 2].set(jnp.inf)
+
+
+@pytest.mark.parametrize("use_opt_state", [True, False], ids=["opt_state", "commit"])
+def test_a_skipped_step_leaves_the_fp8_history_untouched(use_opt_state):
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8)
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state)
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert not bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  before = [np.asarray(h) for h in history]
+  assert all(h[1] > 0 for h in before)
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  assert not bool(mpx.accumulation_boundary(opt_state))
+  after = [np.asarray(h) for h in history]
+  for b, a in zip(before, after, strict=True):
+    assert np.isfinite(a).all()
+    if use_opt_state:  # bitwise, pending slot included
+      assert a.tobytes() == b.tobytes()
+    else:  # without the skip, the finite amaxes of the step wait in the pending slot
+      assert a[1:].tobytes() == b[1:].tobytes()
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  # The next good step commits its own amaxes on top, with the scale of step 1.
+  for b, h in zip(before, history, strict=True):
+    np.testing.assert_array_equal(np.asarray(h)[2:], b[1:-1])
+    assert float(h[1]) > 0
+
+
+def test_a_skipped_multisteps_boundary_leaves_the_fp8_history_untouched():
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = optax.MultiSteps(
+    mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8), every_k_schedule=2
+  )
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state=True)
+  for x in (_X16, _X16):  # one good accumulation: one commit
+    params, history, opt_state = step(params, history, opt_state, x)
+  committed = [np.asarray(h) for h in history]
+  assert all(h[0] == 0 and h[1] > 0 for h in committed)
+  # The inf arrives in the first micro-batch; the skip is decided at the boundary.
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert all(np.isfinite(np.asarray(h)).all() for h in history)  # not in the running max
+  pending = [np.asarray(h) for h in history]
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  for p, c, h in zip(pending, committed, history, strict=True):
+    assert np.asarray(h).tobytes() == p.tobytes()
+    assert p[1:].tobytes() == c[1:].tobytes()
+  # Later micro-batches of the next accumulation are not mistaken for skipped ones.
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert float(history[1][0]) > 0
+
+
 def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
   loss, params, history = _linen_loss("mixed_float8_delayed")
   observed = jax.jit(jax.grad(loss, argnums=1))(params, history, X)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,6 +98,15 @@ class Fp8Recipe:
   attention: bool = False
 
   def __post_init__(self) -> None:
+    for name in ("history_length", "margin"):
+      object.__setattr__(self, name, _whole_number(name, getattr(self, name)))
+    if self.axis_name is not None and not (
+      isinstance(self.axis_name, str) and re.fullmatch(_AXIS_NAME, self.axis_name)
+    ):
+      raise errors.PolicyError(
+        f"The fp8 axis name must be a non-empty string of letters, digits, '_', '-' or '.' "
+        f"(it is written into policy strings, between ':' and ','), got {self.axis_name!r}."
+      )
     if self.scaling not in _SCALINGS:
       raise errors.PolicyError(
         f"Unknown fp8 scaling {self.scaling!r}; write 'current' (each tensor's own amax, no "
@@ -105,12 +116,12 @@ class Fp8Recipe:
       raise errors.PolicyError(
         f"Unknown amax history reduction {self.reduction!r}; write 'max' or 'most_recent'."
       )
-    if int(self.history_length) < 1:
+    if self.history_length < 1:
       raise errors.PolicyError(
         f"history_length must be at least 1, got {self.history_length}; 1 keeps the most "
         "recent amax only."
       )
-    if int(self.margin) < 0:
+    if self.margin < 0:
       raise errors.PolicyError(f"margin must be a non-negative power of two, got {self.margin}.")
 
   @property
@@ -119,12 +130,13 @@ class Fp8Recipe:
     return self.scaling == "delayed"
 
   def __str__(self) -> str:
-    # Only what differs from the defaults, so that a preset prints as written.
+    # Only what differs from the defaults, so that a preset prints as written; every
+    # such field, whatever the scaling, so that parse_recipe(str(r)) == r.
     parts = [self.scaling]
     defaults = Fp8Recipe(self.scaling)
-    if self.delayed and self.history_length != defaults.history_length:
+    if self.history_length != defaults.history_length:
       parts.append(f"history={self.history_length}")
-    if self.delayed and self.reduction != defaults.reduction:
+    if self.reduction != defaults.reduction:
       parts.append(f"reduction={self.reduction}")
     parts += [f"margin={self.margin}"] if self.margin else []
     parts += [f"axis={self.axis_name}"] if self.axis_name else []
@@ -137,6 +149,21 @@ class Fp8Recipe:
 
 
 _RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin": "margin"}
+_AXIS_NAME = r"[A-Za-z0-9_.\-]+"
+_RECIPE_FORM = (
+  "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
+  "(every part optional) or 'current' (with margin, axis, attention)"
+)
+
+
+def _whole_number(name: str, value: Any) -> int:
+  """``value`` as a Python int; a bool, a fraction or a non-number is a :class:`PolicyError`."""
+  if not isinstance(value, bool):
+    try:
+      return operator.index(value)
+    except TypeError:
+      pass
+  raise errors.PolicyError(f"{name} must be a whole number, got {value!r}.")
 
 
 def parse_recipe(spec: str) -> Fp8Recipe:
@@ -152,25 +179,35 @@ def parse_recipe(spec: str) -> Fp8Recipe:
   Raises:
     PolicyError: an unknown part.
   """
-  scaling, *parts = spec.strip().split(":")
-  fields: dict[str, Any] = {"scaling": scaling}
+  # Everything but the axis name ignores case, like the rest of a policy string; JAX's
+  # axis names are case-sensitive.
+  scaling, *parts = (part.strip() for part in spec.strip().split(":"))
+  fields: dict[str, Any] = {"scaling": scaling.lower()}
   for part in parts:
-    if part == "attention":
+    key, sep, value = (s.strip() for s in part.partition("="))
+    key = key.lower()
+    if key == "attention" and not sep:
       fields["attention"] = True
-      continue
-    key, sep, value = part.partition("=")
-    if not sep or key not in (*_RECIPE_KEYS, "axis"):
+    elif not sep or key not in (*_RECIPE_KEYS, "axis"):
       raise errors.PolicyError(
-        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write "
-        "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
-        "(every part optional) or 'current' (with margin, axis, attention)."
+        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write {_RECIPE_FORM}."
       )
-    if key == "axis":
+    elif key == "axis":
+      if not re.fullmatch(_AXIS_NAME, value):
+        raise errors.PolicyError(
+          f"Cannot parse {part!r} in the fp8 recipe {spec!r}: the axis name must be letters, "
+          "digits, '_', '-' or '.', e.g. 'axis=data'."
+        )
       fields["axis_name"] = value
     elif key == "reduction":
-      fields["reduction"] = value
-    else:
+      fields["reduction"] = value.lower()
+    elif re.fullmatch(r"[+-]?\d+", value):
       fields[_RECIPE_KEYS[key]] = int(value)
+    else:
+      raise errors.PolicyError(
+        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: {key} takes a whole number, e.g. "
+        f"'{key}={Fp8Recipe.history_length if key == 'history' else 1}'."
+      )
   return Fp8Recipe(**fields)
 
 

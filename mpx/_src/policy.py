@@ -158,14 +158,19 @@ def _suggestion(word: str, choices: Iterable[str]) -> str:
 
 
 def _parse_string(spec: str) -> Policy:
-  text = spec.strip().lower()
+  text = spec.strip()
+  if text.lower() in PRESETS:
+    text = PRESETS[text.lower()]
+  # Keys, dtype names and presets ignore case; the fp8 recipe lowers all but its axis name.
+  text = ",".join(
+    part if part.strip().lower().startswith("fp8") else part.lower()
+    for part in re.split(r"\s*,\s*", text)
+  )
   if not text:
     raise errors.PolicyError(
       "An empty string is not a precision policy. Write a preset such as "
       f"'mixed_bfloat16' (presets: {', '.join(PRESETS)}) or 'params=f32,compute=bf16'."
     )
-  if text in PRESETS:
-    text = PRESETS[text]
   if "=" not in text:
     if text not in dtypes_lib.VALID_NAMES:
       raise errors.PolicyError(
@@ -182,7 +187,7 @@ def _parse_string(spec: str) -> Policy:
   recipe = None
   for part in re.split(r"\s*,\s*", text):
     key, sep, value = (s.strip() for s in part.partition("="))
-    if sep and key == "fp8":
+    if sep and key.lower() == "fp8":
       try:
         recipe = fp8_lib.parse_recipe(value)
       except errors.PolicyError as e:

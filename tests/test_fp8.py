@@ -102,6 +102,21 @@ def test_quantize_dequantize_with_current_scaling_is_exact_rounding(dtype, ml_dt
   )
 
 
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("top", [1e-3, 1e-5, 3e-7])
+def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dtype, ml_dtype, top):
+  # float16's exponent range is narrower than float32's: a scale cast to float16
+  # underflows to zero for these amaxes, and x / 0 is not finite.
+  x32 = np.random.default_rng(7).uniform(-1, 1, 64).astype(np.float32) * top
+  x = jnp.asarray(x32, jnp.float16)
+  out = mpx.quantize_dequantize(x, dtype)
+  assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
+  x16 = np.asarray(x, np.float32)
+  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
+  expected = (_reference(x16 / scale, ml_dtype).astype(np.float64) * scale).astype(np.float16)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+
+
 def _operands():
   rng = np.random.default_rng(2)
   lhs = jnp.asarray(rng.standard_normal((8, 32)) * 5, jnp.bfloat16)

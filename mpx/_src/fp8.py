@@ -264,10 +264,23 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
     (with their sign), NaN stays NaN, infinities follow the format
     (E5M2 keeps them, E4M3FN has none and gives NaN).
   """
-  limit = jnp.asarray(fp8_max(dtype), x.dtype)
-  scaled = x / scale.astype(x.dtype)
+  wide = _scale_dtype(x.dtype)
+  limit = jnp.asarray(fp8_max(dtype), wide)
+  scaled = x.astype(wide) / scale.astype(wide)
   clamped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -limit, limit), scaled)
   return clamped.astype(dtype)
+
+
+def _scale_dtype(dtype: Any) -> np.dtype:
+  """The dtype scaling by a power of two is exact in: ``dtype``, or float32 if its range is narrower.
+
+  A float32 scale may lie outside float16's range (below ``2**-24`` for a
+  float16 tensor of amax under about ``1e-5``): cast to float16 it would
+  become 0 or inf. bfloat16 has float32's exponent range.
+  """
+  if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+    return np.dtype(np.float32)
+  return np.dtype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -281,7 +294,8 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   Returns:
     The dequantised array in ``dtype``.
   """
-  return q.astype(dtype) * scale.astype(dtype)
+  wide = _scale_dtype(dtype)
+  return (q.astype(wide) * scale.astype(wide)).astype(dtype)
 
 
 def quantize_dequantize(

@@ -237,7 +237,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
 
   Dtype names are ``float32|f32|fp32|full|single``, ``bfloat16|bf16``,
   ``float16|f16|fp16|half`` and ``float64|f64|fp64|double``; case and
-  whitespace are ignored. Every string ``jmp.get_policy`` accepts gives the
+  whitespace are ignored, except in the fp8 recipe's axis name (JAX's axis
+  names are case-sensitive). Every string ``jmp.get_policy`` accepts gives the
   same policy here, with one deliberate difference: ``half`` is IEEE float16
   on every platform (jmp picks bfloat16 on TPU), so that one config string
   means the same numerics everywhere.

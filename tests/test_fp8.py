@@ -181,19 +181,44 @@ def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
 
 
 def test_delayed_scale_ignores_the_current_tensor():
-  # An empty history gives scale 1: a value beyond E4M3's max saturates this step,
-  # and is recorded for the next one. Current scaling would have fitted it.
+  # Once something is recorded, the scale comes from the history alone: a value
+  # beyond E4M3's max saturates this step, and is recorded for the next one.
+  # Current scaling would have fitted it.
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
   empty = fp8_lib.init_history(recipe)
-  state = (empty, empty, empty)
   lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
   rhs = jnp.ones((2, 1), jnp.float32)
-  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
+  small = (jnp.array([0.0, 240.0, 0.0]), empty, empty)
+  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
   current = mpx.fp8_dot_general(lhs, rhs, DIMS)
   assert float(delayed[0, 0]) == 448.0 + 1.0
   assert float(current[0, 0]) == 960.0 + 1.0
   filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
   assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_the_first_delayed_step_scales_like_current_scaling(reduction):
+  # An empty history bootstraps from each tensor's own amax, instead of scale 1
+  # (which saturates 960 and flushes the 1e-6 gradients to zero in E5M2).
+  recipe = mpx.Fp8Recipe("delayed", history_length=2, reduction=reduction)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  lhs = jnp.array([[960.0, 1.0], [3.0, -2.0]], jnp.float32)
+  rhs = jnp.array([[0.5], [0.25]], jnp.float32)
+  g = jnp.array([[1e-6], [-3e-6]], jnp.float32)
+
+  def run(recipe, state):
+    out, pullback = jax.vjp(
+      lambda a, b: mpx.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
+    )
+    return out, *pullback(g)
+
+  delayed = jax.jit(run, static_argnums=0)(recipe, state)
+  current = jax.jit(run, static_argnums=0)(mpx.Fp8Recipe("current"), None)
+  for d, c in zip(delayed, current, strict=True):
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
+  assert float(delayed[0][0, 0]) == 960.0 * 0.5 + 0.25
+  assert np.asarray(delayed[2]).any()  # the weight gradient is not flushed to zero
 
 
 def test_update_rolls_commits_and_keeps_a_running_max():

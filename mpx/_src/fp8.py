@@ -57,8 +57,9 @@ class Fp8Recipe:
     steps, ``max`` over the last ``history_length`` or the ``most_recent``
     one; the current amax is only recorded, so quantising does not wait for
     it. The history is state (see :func:`update_fp8_state`); while it is
-    empty (the first optimizer step) the scale is 1, as in Transformer
-    Engine, and small gradients of that step may round to zero in E5M2.
+    empty (the first optimizer step) each tensor's own amax sets its scale,
+    as in current scaling (Transformer Engine uses 1 there, which saturates
+    large values and flushes small gradients to zero in E5M2).
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
@@ -437,7 +438,7 @@ def fp8_max_grad(state: Any) -> Any:
 
 
 def _history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
-  """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while it is empty.
+  """The delayed scale from ``[pending, most recent, ..., oldest]`` (1 while it is empty).
 
   It depends on the history alone, never on the tensor being quantised, so the
   quantisation need not wait for that tensor's amax (XLA can compute the amax
@@ -455,11 +456,30 @@ def _observed(history: jax.Array, value: jax.Array) -> jax.Array:
 
 
 def _scales(
-  recipe: Fp8Recipe, states: Sequence[jax.Array] | None, amaxes: Sequence[jax.Array], dtype: Any
+  recipe: Fp8Recipe,
+  states: Sequence[jax.Array] | None,
+  tensors: Sequence[jax.Array],
+  amaxes: Sequence[jax.Array],
+  dtype: Any,
 ) -> list[jax.Array]:
   if states is None:
     return [scale_for(a, dtype, margin=recipe.margin) for a in amaxes]
-  return [_history_scale(h, dtype, recipe) for h in states]
+  return [_delayed_scale(h, x, dtype, recipe) for h, x in zip(states, tensors, strict=True)]
+
+
+def _delayed_scale(history: jax.Array, x: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The scale from the history; from ``x``'s own amax while nothing is recorded (the first step).
+
+  A ``cond``, not a select: once the history holds an amax, quantising ``x``
+  does not wait for ``x``'s amax, which is the point of delayed scaling. The
+  bootstrap branch measures it itself for the same reason.
+  """
+  recorded = jnp.max(_as_float32(history)[..., 1:]) > 0
+  return jax.lax.cond(
+    recorded,
+    lambda: _history_scale(history, dtype, recipe),
+    lambda: scale_for(amax(x, recipe.axis_name), dtype, margin=recipe.margin),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -494,7 +514,7 @@ def _fp8_dot_fwd(
   out_dtype = dtypes[2]
   amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
   histories = None if states is None else states[:2]
-  lhs_scale, rhs_scale = _scales(recipe, histories, amaxes, E4M3)
+  lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
   lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
   a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
   # The product in the operands' dtype unless a wider one was asked for: cuBLASLt's
@@ -522,7 +542,7 @@ def _fp8_dot_bwd(
   lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states = residuals
   g_amax = amax(g, recipe.axis_name)
   histories = None if states is None else states[2:]
-  (g_scale,) = _scales(recipe, histories, [g_amax], E5M2)
+  (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
   g_dq = dequantize(quantize(g, E5M2, g_scale), g_scale, g.dtype)
   a, b = dequantize(lhs_q, lhs_scale, lhs_dtype), dequantize(rhs_q, rhs_scale, rhs_dtype)
 

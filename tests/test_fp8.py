@@ -117,6 +117,34 @@ def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dty
   np.testing.assert_array_equal(np.asarray(out), expected)
 
 
+@pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["current", "fixed"])
+def test_straight_through_gradient_is_the_identity_within_range(source, scale):
+  x = jnp.asarray([1.0, 0.3, -5.0, 2.7, 700.0], source)  # 700 saturates E4M3 at scale 1
+  ct = jnp.asarray([1000.0, 0.3, 1e-9, 0.123456, 5.0], source)
+  scale = None if scale is None else jnp.float32(scale)
+
+  def loss(x, straight_through):
+    out = mpx.quantize_dequantize(
+      x, jnp.float8_e4m3fn, scale=scale, straight_through=straight_through
+    )
+    return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)(x, True)
+  assert grad.dtype == source
+  expected = np.array(ct.astype(jnp.float32))
+  if scale is not None:
+    expected[-1] = 0.0  # saturated: the output does not move with x there
+  np.testing.assert_array_equal(np.asarray(grad.astype(jnp.float32)), expected)
+  # Same forward; the default differentiates through the rounding, cotangent included.
+  np.testing.assert_array_equal(
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale, straight_through=True)),
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale)),
+  )
+  rounded = np.asarray(jax.grad(loss)(x, False).astype(jnp.float32))
+  assert not np.array_equal(rounded[:4], expected[:4])
+
+
 def _operands():
   rng = np.random.default_rng(2)
   lhs = jnp.asarray(rng.standard_normal((8, 32)) * 5, jnp.bfloat16)

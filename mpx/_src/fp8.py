@@ -300,15 +300,29 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
 
 def quantize_dequantize(
-  x: jax.Array, dtype: Any, *, scale: jax.Array | None = None, margin: int = 0
+  x: jax.Array,
+  dtype: Any,
+  *,
+  scale: jax.Array | None = None,
+  margin: int = 0,
+  straight_through: bool = False,
 ) -> jax.Array:
   """``x`` rounded through a float8 format and back, with current scaling unless ``scale`` is given.
+
+  Its gradient, by default, is what autodiff makes of the casts: the
+  cotangent is itself rounded to the float8 format (scaled like ``x``), and
+  zero where ``x`` saturated. With ``straight_through=True`` (the
+  straight-through estimator, as torchao's differentiable float8 casts) the
+  cotangent passes unchanged where ``x / scale`` is within the format's
+  range, and is zero where it saturated, since the output stays at the max
+  there.
 
   Args:
     x: a floating array.
     dtype: the float8 format.
     scale: the scale; ``None`` uses :func:`scale_for` of ``x``'s own amax.
     margin: headroom for the current scale.
+    straight_through: whether the gradient is the identity within range.
 
   Returns:
     An array of ``x``'s dtype and shape.
@@ -321,7 +335,32 @@ def quantize_dequantize(
   """
   if scale is None:
     scale = scale_for(amax(x), dtype, margin=margin)
+  if straight_through:
+    return _straight_through(x, scale, np.dtype(dtype))
   return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _straight_through(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+
+
+def _straight_through_fwd(
+  x: jax.Array, scale: jax.Array, dtype: np.dtype
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  return _straight_through(x, scale, dtype), (x, scale)
+
+
+def _straight_through_bwd(
+  dtype: np.dtype, residuals: tuple[jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  x, scale = residuals
+  wide = _scale_dtype(x.dtype)
+  saturated = jnp.abs(x.astype(wide) / scale.astype(wide)) > fp8_max(dtype)
+  return jnp.where(saturated, jnp.zeros_like(g), g), jnp.zeros_like(scale)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
 class _AmaxRules:

@@ -420,11 +420,19 @@ class _AmaxType(jax_dtypes.extended):
   pass
 
 
-@dataclasses.dataclass(frozen=True)
 class _AmaxDType(jax_dtypes.ExtendedDType):
-  _rules: type = _AmaxRules
-  type: type = _AmaxType
-  name: str = "amax_float32"
+  _rules = _AmaxRules
+  name = "amax_float32"
+
+  @property
+  def type(self) -> type:
+    return _AmaxType
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _AmaxDType)
+
+  def __hash__(self) -> int:
+    return hash(_AmaxDType)
 
   def __repr__(self) -> str:
     return self.name

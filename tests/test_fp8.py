@@ -335,6 +335,49 @@ def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
   assert [float(h[1]) for h in history] == [5.0, 0.5, 1.0]
 
 
+class _SharedLinen(nn.Module):
+  @nn.compact
+  def __call__(self, xs):
+    dense = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)
+    return sum(dense(x) for x in xs)
+
+
+class _SharedNnx(nnx.Module):
+  def __init__(self):
+    init = nnx.initializers.ones
+    self.dense = nnx.Linear(2, 1, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+
+  def __call__(self, xs):
+    return sum(self.dense(x) for x in xs)
+
+
+@pytest.mark.parametrize("adapter", ["linen", "nnx"])
+def test_a_shared_flax_layer_records_the_max_amax_with_fp8_max_grad(adapter):
+  xs = [jnp.full((1, 2), a) for a in (2.0, 4.0, 3.0)]
+  if adapter == "linen":
+    model = mpx.linen.apply_policy(_SharedLinen(), "mixed_float8_delayed")
+    variables = model.init(jax.random.key(0), xs)
+    params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+
+    def forward(history):
+      return model.apply({"params": params, mpx.linen.FP8_COLLECTION: history}, xs)
+  else:
+    module = mpx.nnx.apply_policy(_SharedNnx(), "mixed_float8_delayed")
+    graphdef, params, history, rest = nnx.split(module, nnx.Param, mpx.nnx.Fp8History, ...)
+
+    def forward(history):
+      return nnx.merge(graphdef, params, history, rest)(xs)
+
+  def loss(history):
+    return jnp.sum(forward(mpx.fp8_max_grad(history)).astype(jnp.float32))
+
+  observed = jax.jit(jax.grad(loss))(history)
+  # lhs amaxes 2, 4, 3; the kernel's and the gradient's are 1 in each call.
+  pending = sorted(float(h[0]) for h in jax.tree.leaves(observed))
+  assert pending == [1.0, 1.0, 4.0]
+  assert all(h.dtype == jnp.float32 for h in jax.tree.leaves(observed))
+
+
 def test_amax_is_reduced_over_a_named_axis():
   recipe = mpx.Fp8Recipe(axis_name="devices")
   lhs = jnp.stack([jnp.ones((4, 8)), jnp.full((4, 8), 300.0)]).astype(jnp.bfloat16)

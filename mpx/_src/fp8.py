@@ -14,10 +14,13 @@ is exactly ``ml_dtypes``' rounding of ``x / s``, times ``s``.
 
 Delayed scaling keeps, per tensor, one float32 array of ``history_length + 1``
 entries: ``[pending, most recent, ..., oldest]``. The forward pass reads the
-committed part to choose the scale; the amax each call observes comes back as
-the *gradient* of the pending slot, and :func:`update_fp8_state` folds it in
-(a running max over micro-batches) and, at an accumulation boundary, commits
-it to the history. Core module: imports neither Flax nor optax.
+committed part to choose the scale (or, while nothing is committed, the
+tensor's own amax); the amax each call observes comes back as the *gradient*
+of the pending slot, combined over the calls that share a history by ``max``
+(:func:`fp8_max_grad`), and :func:`update_fp8_state` folds it in (a running
+max over micro-batches) and, at an accumulation boundary not skipped by the
+loss scale, commits it to the history. Core module: imports neither Flax nor
+optax.
 """
 
 from __future__ import annotations
@@ -640,7 +643,8 @@ def fp8_dot_general(
     recipe: the scaling recipe; ``None`` means current scaling.
     state: for delayed scaling, the amax histories of ``(lhs, rhs,
       gradient)``, each ``float32[history_length + 1]`` (see
-      :func:`update_fp8_state`); their gradient is the amax each tensor had.
+      :func:`update_fp8_state`), or already passed through
+      :func:`fp8_max_grad`; their gradient is the amax each tensor had.
     **unused: other arguments Flax passes (``out_sharding``), ignored.
 
   Returns:

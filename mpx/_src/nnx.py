@@ -14,12 +14,13 @@ layer's own params and statistics. The user-facing account is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from mpx._src import casting, errors, kernels, layer_policy, norm_layers
@@ -165,6 +166,12 @@ def _boundary_class(cls: type) -> type:
       args, kwargs = casting.cast_tree((args, kwargs), inner)
       return casting.cast_tree(call(*args, **kwargs), outer)
 
+    def reduce_ex(self: Any, protocol: Any) -> Any:
+      # Pickle finds a class by its name, which leads to `cls`, not to this subclass: store
+      # `cls` and rebuild the subclass from it on loading (`_new_casting`).
+      _, (_, *new_args), *rest = super(subclass, self).__reduce_ex__(protocol)
+      return (_new_casting, (cls, *new_args), *rest)
+
     # A mixin base would change the instance layout and forbid the swap.
     subclass = type(
       cls.__name__,
@@ -173,11 +180,55 @@ def _boundary_class(cls: type) -> type:
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__call__": call_casting,
+        "__reduce_ex__": reduce_ex,
         "_mpx_casts_at_boundary": True,
       },
     )
     _BOUNDARY_CLASSES[cls] = subclass
   return _BOUNDARY_CLASSES[cls]
+
+
+def _new_casting(cls: type, *args: Any) -> Any:
+  """Unpickles an instance of ``cls``'s casting subclass (see ``_boundary_class``)."""
+  subclass = _boundary_class(cls)
+  return subclass.__new__(subclass, *args)
+
+
+def _check_model(model: Any) -> None:
+  """Raises a ``PolicyError`` unless ``model`` is an NNX module."""
+  if isinstance(model, nnx.Module):
+    return
+  if isinstance(model, linen.Module) or isinstance(getattr(model, "module", None), linen.Module):
+    raise errors.PolicyError(
+      f"mpx.nnx.apply_policy got the linen module {type(model).__name__}; NNX's adapter cannot "
+      "reach its layers, so it would train without the policy. Use "
+      "mpx.linen.apply_policy(model, policy) and its init/apply for linen models."
+    )
+  raise errors.PolicyError(
+    f"mpx.nnx.apply_policy needs a flax.nnx.Module (the model object), got "
+    f"{type(model).__name__}. Build the model first (model = MyModel(rngs=nnx.Rngs(0))) and pass "
+    "it; to cast a pytree of arrays, use policy.cast_to_param or mpx.cast_tree."
+  )
+
+
+def _settings(
+  policy: policy_lib.Policy,
+  rules: keep_lib.KeepRules,
+  accumulate_in_float32: bool,
+  paths: dict[int, tuple[Any, ...]],
+) -> tuple[str, str]:
+  """What :func:`apply_policy` writes into a model: ``(policy and accumulation, keep rules)``.
+
+  Strings, so the record is static (part of the graph definition) and survives
+  ``nnx.split``/``nnx.merge`` and pickling; instance rules are recorded by the
+  layer's path, which is what they mean for this model.
+  """
+  instances = [
+    (layer_policy.join_path(paths[id(m)]) if id(m) in paths else type(m).__name__, str(p))
+    for m, p in rules.instances
+  ]
+  rules_text = f"{dataclasses.replace(rules, instances=())!r} with instance rules {instances}"
+  return f"{policy}, accumulate_in_float32={accumulate_in_float32}", rules_text
 
 
 def apply_policy(
@@ -263,29 +314,36 @@ def apply_policy(
     ``model`` itself, for chaining.
 
   Raises:
-    PolicyError: the model already runs under a different policy.
+    PolicyError: ``model`` is not an NNX module (a linen module, a dict of
+      params, ``None``), or it already runs under a different policy, keep
+      rules or ``accumulate_in_float32``. Applying the same settings again
+      returns ``model`` unchanged.
 
   Example:
     >>> import jax.numpy as jnp, mpx
-    >>> from flax import nnx
+    >>> from flax import linen, nnx
     >>> model = mpx.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_bfloat16")
     >>> model.kernel.dtype, model(jnp.ones((2, 4))).dtype
     (dtype('float32'), dtype('float32'))
   """
+  _check_model(model)
   policy = policy_lib.get_policy(policy)
   rules = keep_lib.KeepRules() if rules is None else rules
-  settings = f"{policy};accumulate_in_float32={accumulate_in_float32}"
-  previous = getattr(model, "mpx_policy", None)
-  if previous is not None and previous != settings:
-    raise errors.PolicyError(
-      f"This model already runs under {previous}; applying {settings} on top would "
-      "conflict (half params cannot be restored to float32 exactly). Build the model again "
-      "(or nnx.merge a float32 copy) and apply the policy once."
-    )
-
   nodes = list(nnx.iter_graph(model))
   modules = {tuple(path): node for path, node in nodes if isinstance(node, nnx.Module)}
   paths = {id(module): path for path, module in modules.items()}
+  settings = _settings(policy, rules, accumulate_in_float32, paths)
+  previous = getattr(model, "mpx_policy", None)
+  if previous == settings:
+    return model
+  if previous is not None:
+    change = "it with other keep rules" if previous[0] == settings[0] else settings[0]
+    raise errors.PolicyError(
+      f"This model already runs under {previous[0]}; applying {change} on top would re-cast "
+      "params that the first policy already rounded (half-precision "
+      "params cannot be restored to float32 exactly). Build the model again (or nnx.merge a "
+      "float32 copy of its state) and apply the policy once, with all its keep rules."
+    )
 
   def owner(path: tuple[Any, ...]) -> nnx.Module:
     """The closest module strictly enclosing ``path`` (the root encloses everything)."""

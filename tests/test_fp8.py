@@ -199,6 +199,28 @@ def test_update_rolls_commits_and_keeps_a_running_max():
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
 
 
+@pytest.mark.parametrize("commit", [True, False])
+def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
+  # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
+  rng = np.random.default_rng(5)
+  stacked = jnp.asarray(rng.uniform(0, 10, (3, 2, 5)), jnp.float32)
+  observed = jnp.zeros_like(stacked).at[..., 0].set(jnp.asarray(rng.uniform(0, 10, (3, 2))))
+  per_layer = [
+    mpx.update_fp8_state(stacked[i, j], observed[i, j], commit=commit)
+    for i in range(3)
+    for j in range(2)
+  ]
+  out = jax.jit(mpx.update_fp8_state)(stacked, observed, commit=commit)
+  assert out.shape == stacked.shape and out.dtype == stacked.dtype
+  np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
+  recipe = mpx.Fp8Recipe("delayed", history_length=4)
+  assert fp8_lib.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
+  scales = jax.vmap(jax.vmap(lambda h: fp8_lib._history_scale(h, fp8_lib.E4M3, recipe)))(stacked)
+  np.testing.assert_array_equal(
+    np.asarray(fp8_lib._history_scale(stacked, fp8_lib.E4M3, recipe)), np.asarray(scales)
+  )
+
+
 def test_amax_is_reduced_over_a_named_axis():
   recipe = mpx.Fp8Recipe(axis_name="devices")
   lhs = jnp.stack([jnp.ones((4, 8)), jnp.full((4, 8), 300.0)]).astype(jnp.bfloat16)

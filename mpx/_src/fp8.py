@@ -275,14 +275,14 @@ def _history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Arr
   quantisation need not wait for that tensor's amax (XLA can compute the amax
   in the same pass that quantises).
   """
-  committed = history[1:]
-  reference = jnp.max(committed) if recipe.reduction == "max" else committed[0]
+  committed = history[..., 1:]
+  reference = jnp.max(committed, axis=-1) if recipe.reduction == "max" else committed[..., 0]
   return scale_for(reference, dtype, margin=recipe.margin)
 
 
 def _observed(history: jax.Array, value: jax.Array) -> jax.Array:
   """The cotangent of a history: ``value`` in the pending slot, zeros elsewhere."""
-  return jnp.zeros_like(history).at[0].set(value.astype(history.dtype))
+  return jnp.zeros_like(history).at[..., 0].set(value.astype(history.dtype))
 
 
 def _scales(
@@ -428,29 +428,33 @@ def fp8_dot_general(
   return _fp8_dot(recipe, dims, precision, dtypes, lhs, rhs, state)
 
 
-def init_history(recipe: Fp8Recipe) -> jax.Array:
-  """An empty amax history for one tensor: ``float32[history_length + 1]`` of zeros.
+def init_history(recipe: Fp8Recipe, *, batch_shape: Sequence[int] = ()) -> jax.Array:
+  """An empty amax history: ``float32[*batch_shape, history_length + 1]`` of zeros.
 
   Args:
     recipe: a delayed-scaling recipe.
+    batch_shape: leading axes, one history per entry (e.g. ``(layers,)`` for
+      the histories of layers stacked by ``nn.scan`` or ``nnx.vmap``).
 
   Returns:
     The zero history.
   """
-  return jnp.zeros((recipe.history_length + 1,), jnp.float32)
+  return jnp.zeros((*batch_shape, recipe.history_length + 1), jnp.float32)
 
 
 def _update_history(history: jax.Array, observed: jax.Array, commit: jax.Array) -> jax.Array:
-  pending = jnp.maximum(history[0], observed[0])
-  committed = jnp.concatenate([jnp.zeros((1,), history.dtype), pending[None], history[1:-1]])
-  return jnp.where(commit, committed, history.at[0].set(pending))
+  # The last axis is the history; leading axes are layers stacked by nn.scan or nnx.vmap.
+  pending = jnp.maximum(history[..., :1], observed[..., :1])
+  committed = jnp.concatenate([jnp.zeros_like(pending), pending, history[..., 1:-1]], axis=-1)
+  return jnp.where(commit, committed, history.at[..., :1].set(pending))
 
 
 def update_fp8_state(state: Any, observed: Any, *, commit: Any = True) -> Any:
   """Folds the amaxes a step observed into the delayed-scaling state.
 
   Each leaf of ``state`` is one tensor's ``[pending, most recent, ...,
-  oldest]``; the matching leaf of ``observed`` is its gradient from
+  oldest]`` along its last axis (leading axes, as ``nn.scan`` or ``nnx.vmap``
+  stack the histories of several layers, are updated entry by entry); the matching leaf of ``observed`` is its gradient from
   ``jax.grad`` (the amax in the pending slot). The pending slot becomes the
   running max ``max(pending, observed)``, so over the micro-batches of a
   gradient accumulation it holds the largest amax of any of them (what one

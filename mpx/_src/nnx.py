@@ -61,13 +61,16 @@ class Fp8DotGeneral(nnx.Module):
 
   Args:
     recipe: the delayed-scaling recipe.
+    batch_shape: the leading axes of the layer's stack (``(layers,)`` for a
+      layer built under ``nnx.vmap``), so that ``nnx.scan`` over the stack
+      hands each layer its own histories.
   """
 
-  def __init__(self, recipe: fp8_lib.Fp8Recipe) -> None:
+  def __init__(self, recipe: fp8_lib.Fp8Recipe, *, batch_shape: tuple[int, ...] = ()) -> None:
     self.recipe = recipe
-    self.lhs = Fp8History(fp8_lib.init_history(recipe))
-    self.rhs = Fp8History(fp8_lib.init_history(recipe))
-    self.grad = Fp8History(fp8_lib.init_history(recipe))
+    self.lhs = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
+    self.rhs = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
+    self.grad = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
     """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
@@ -101,6 +104,24 @@ class Fp8Einsum(Fp8DotGeneral):
 _REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
 
 
+def _stack_shape(module: nnx.Module) -> tuple[int, ...]:
+  """The leading axes of a ``Linear``, ``LinearGeneral`` or ``Einsum`` built under ``nnx.vmap``.
+
+  ``nnx.vmap`` stacks the kernel but leaves the layer's static fields as one
+  layer's, so the axes the kernel has beyond what those fields give are the
+  stack's. ``()`` for a layer built alone, or inside the vmapped constructor.
+  """
+  if "kernel_shape" in vars(module):  # Einsum
+    ndim = len(module.kernel_shape)  # pyright: ignore[reportAttributeAccessIssue]
+  elif "batch_axis" in vars(module):  # LinearGeneral
+    fields: Any = module
+    ndim = len(fields.batch_axis) + len(fields.in_features) + len(fields.out_features)
+  else:  # Linear
+    ndim = 2
+  shape = module.kernel.shape  # pyright: ignore[reportAttributeAccessIssue]
+  return tuple(shape[: len(shape) - ndim])
+
+
 def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
   """Gives a ``Linear``, ``LinearGeneral`` or ``Einsum`` a float8 contraction (not if customised)."""
   fields = vars(module)
@@ -112,12 +133,14 @@ def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
     if fields.get("dot_general_cls") is not None:
       return
     if recipe.delayed:
-      module.dot_general = nnx.data(Fp8DotGeneral(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+      dot = Fp8DotGeneral(recipe, batch_shape=_stack_shape(module))
+      module.dot_general = nnx.data(dot)  # pyright: ignore[reportAttributeAccessIssue]
     else:
       module.dot_general = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)  # pyright: ignore[reportAttributeAccessIssue]
   elif fields.get("einsum_op") is jnp.einsum:
     if recipe.delayed:
-      module.einsum_op = nnx.data(Fp8Einsum(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+      einsum = Fp8Einsum(recipe, batch_shape=_stack_shape(module))
+      module.einsum_op = nnx.data(einsum)  # pyright: ignore[reportAttributeAccessIssue]
     else:
       dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)
       module.einsum_op = functools.partial(jnp.einsum, _dot_general=dot)  # pyright: ignore[reportAttributeAccessIssue]

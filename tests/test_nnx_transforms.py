@@ -1,0 +1,118 @@
+"""NNX models built with Flax's lifted transforms: ``nnx.vmap`` layer stacks run by ``nnx.scan``
+over ``nnx.remat``, trained under every preset.
+
+The model is a small Llama-style decoder (:class:`models.NnxLlama`); its unrolled twin (a
+Python loop over separate blocks) is the reference for the audit's shares.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from models import NnxLlama, lm_batch, text_tokens
+from optax_compat import standard_promotion
+
+import mpx
+
+PRESETS = ["float32", "mixed_bfloat16", "mixed_float16", "mixed_float8", "mixed_float8_delayed"]
+STEPS = 3
+LAYERS = 2
+
+
+def _loss(model, tokens, targets, rngs):
+  logits = model(tokens, rngs).astype(jnp.float32)
+  return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+
+def _train_step(policy):
+  """``nnx.jit`` train step; with delayed fp8 it also folds the observed amaxes in."""
+  delayed = policy.fp8 is not None and policy.fp8.delayed
+  wrt = nnx.DiffState(0, nnx.Any(nnx.Param, mpx.nnx.Fp8History)) if delayed else 0
+
+  @nnx.jit
+  def step(model, optimizer, tokens, targets, rngs):
+    grad_fn = mpx.value_and_grad(_loss, optimizer.opt_state, argnums=wrt)
+    loss, grads = grad_fn(model, tokens, targets, rngs)
+    if delayed:
+      grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
+      history = nnx.state(model, mpx.nnx.Fp8History)
+      nnx.update(model, mpx.update_fp8_state(history, observed))
+    optimizer.update(model, grads)
+    return loss
+
+  return step
+
+
+def _setup(name, *, stacked):
+  policy = mpx.get_policy(name)
+  model = mpx.nnx.apply_policy(
+    NnxLlama(stacked=stacked, num_layers=LAYERS, rngs=nnx.Rngs(0)), policy
+  )
+  tx = mpx.mixed_precision(standard_promotion(optax.adam(3e-3)), policy)
+  return policy, model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@functools.cache
+def _batch():
+  tokens, targets = lm_batch(text_tokens(), 0, batch_size=4, seq_len=16)
+  return jnp.asarray(tokens), jnp.asarray(targets)
+
+
+def _audit(name, *, stacked):
+  policy, model, optimizer = _setup(name, stacked=stacked)
+  return mpx.audit(_train_step(policy), model, optimizer, *_batch(), nnx.Rngs(dropout=1))
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_stacked_decoder_trains_under_every_preset(name):
+  policy, model, optimizer = _setup(name, stacked=True)
+  step = _train_step(policy)
+  rngs = nnx.Rngs(dropout=1)
+  losses = [float(step(model, optimizer, *_batch(), rngs)) for _ in range(STEPS)]
+  assert losses[-1] < losses[0], losses
+
+  blocks = model.blocks
+  for layer in (blocks.gate, blocks.up, blocks.down, blocks.attn.query, model.head):
+    assert layer.kernel.dtype == policy.param_dtype
+    assert layer.dtype == policy.compute_dtype
+  for norm in (blocks.attn_norm, blocks.mlp_norm, model.norm):
+    assert norm.scale.dtype == jnp.float32 and norm.dtype == jnp.float32
+  assert blocks.gate.kernel.shape[0] == LAYERS
+  for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)):
+    assert bool(jnp.all(jnp.isfinite(leaf)))
+
+  histories = jax.tree.leaves(nnx.state(model, mpx.nnx.Fp8History))
+  if policy.fp8 is not None and policy.fp8.delayed:
+    length = policy.fp8.history_length + 1
+    assert blocks.gate.dot_general.lhs.shape == (LAYERS, length)
+    assert model.head.dot_general.lhs.shape == (length,)
+    for history in histories:
+      assert bool(jnp.all(jnp.isfinite(history)))
+      # One committed amax per step, for every layer of the stack.
+      assert bool(jnp.all(history[..., 1 : STEPS + 1] > 0)), history
+  else:
+    assert histories == []
+
+  # The embedding dropout draws from the Rngs passed in; each block's from its own stream.
+  assert int(rngs.dropout.count[...]) == STEPS
+  np.testing.assert_array_equal(blocks.dropout.rngs.count[...], np.full(LAYERS, STEPS))
+  if policy.compute_dtype == jnp.float16:
+    metrics = mpx.loss_scale_metrics(optimizer.opt_state)
+    assert int(metrics["skipped_steps"]) == 0 and float(metrics["loss_scale"]) > 1
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_audit_of_the_stacked_step_matches_the_unrolled_one(name):
+  stacked, unrolled = _audit(name, stacked=True), _audit(name, stacked=False)
+  assert stacked.half_flops_share == pytest.approx(unrolled.half_flops_share)
+  assert stacked.fp8_flops_share == pytest.approx(unrolled.fp8_flops_share)
+  policy = mpx.get_policy(name)
+  if policy.compute_dtype == jnp.float32:
+    assert stacked.half_flops_share == 0
+  else:
+    assert stacked.half_flops_share > 0.9
+  assert (stacked.fp8_flops_share > 0.5) == (policy.fp8 is not None)

@@ -116,3 +116,54 @@ def test_audit_of_the_stacked_step_matches_the_unrolled_one(name):
   else:
     assert stacked.half_flops_share > 0.9
   assert (stacked.fp8_flops_share > 0.5) == (policy.fp8 is not None)
+
+
+class _Stage(nnx.Module):
+  def __init__(self, rngs: nnx.Rngs):
+    self.linear = nnx.Linear(16, 16, rngs=rngs)
+    self.general = nnx.LinearGeneral(16, (2, 8), rngs=rngs)
+    self.einsum = nnx.Einsum("bhd,hdk->bk", (2, 8, 16), rngs=rngs)
+
+  def __call__(self, x):
+    return self.einsum(self.general(self.linear(x)))
+
+
+def _stage_stack(policy_inside):
+  @nnx.split_rngs(splits=LAYERS + 1)
+  @nnx.vmap(in_axes=(0,), out_axes=0)
+  def make(rngs):
+    stage = _Stage(rngs)
+    return stage if policy_inside is None else mpx.nnx.apply_policy(stage, policy_inside)
+
+  return make(nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("where", ["after_vmap", "inside_vmap"])
+def test_delayed_fp8_histories_follow_an_nnx_vmap_stack(where):
+  name = "mixed_float8_delayed"
+  stack = _stage_stack(name if where == "inside_vmap" else None)
+  if where == "after_vmap":
+    mpx.nnx.apply_policy(stack, name)
+  layers = LAYERS + 1
+  length = mpx.get_policy(name).fp8.history_length + 1
+  histories = nnx.state(stack, mpx.nnx.Fp8History)
+  assert len(jax.tree.leaves(histories)) == 9  # lhs, rhs and grad of three layers
+  for history in jax.tree.leaves(histories):
+    assert history.shape == (layers, length)
+
+  @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+  def run(x, stage):
+    return stage(x)
+
+  def loss(stack, x):
+    return jnp.mean(jnp.square(run(x, stack).astype(jnp.float32)))
+
+  x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
+  observed = nnx.grad(loss, argnums=nnx.DiffState(0, mpx.nnx.Fp8History))(stack, x)
+  nnx.update(stack, mpx.update_fp8_state(histories, observed))
+  # Each layer of the stack records its own input's amax in its own row.
+  lhs = np.asarray(stack.linear.dot_general.lhs[...])
+  assert lhs[0, 1] == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))
+  assert np.all(lhs[:, 1] > 0) and len(set(lhs[:, 1].tolist())) == layers
+  for history in jax.tree.leaves(nnx.state(stack, mpx.nnx.Fp8History)):
+    assert bool(np.all(history[:, 0] == 0)) and bool(np.all(history[:, 1] > 0))

@@ -167,3 +167,15 @@ def test_delayed_fp8_histories_follow_an_nnx_vmap_stack(where):
   assert np.all(lhs[:, 1] > 0) and len(set(lhs[:, 1].tolist())) == layers
   for history in jax.tree.leaves(nnx.state(stack, mpx.nnx.Fp8History)):
     assert bool(np.all(history[:, 0] == 0)) and bool(np.all(history[:, 1] > 0))
+
+
+def test_activations_and_locator_tap_outside_the_transforms_and_skip_inside():
+  _, model, optimizer = _setup("mixed_float16", stacked=True)
+  rngs = nnx.Rngs(dropout=1)
+  stats = mpx.nnx.collect_activations(_loss, model, *_batch(), rngs, loss_scale=optimizer.opt_state)
+  # The blocks run inside nnx.scan / nnx.remat: not tapped. The layers around them are.
+  assert stats.modules == ("embed", "dropout", "norm", "head", "<root>")
+  assert not any(path.startswith("blocks") for path in stats.modules)
+  assert int(rngs.dropout.count[...]) == 0  # a private copy: the caller's Rngs is untouched
+  report = mpx.nnx.locate_nonfinite(_loss, model, *_batch(), rngs, loss_scale=optimizer.opt_state)
+  assert report.forward is None and report.cause == "finite"

@@ -39,9 +39,11 @@ def _train_step(policy):
     loss, grads = grad_fn(model, tokens, targets, rngs)
     if delayed:
       grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
-      history = nnx.state(model, mpx.nnx.Fp8History)
-      nnx.update(model, mpx.update_fp8_state(history, observed))
     optimizer.update(model, grads)
+    if delayed:
+      history = nnx.state(model, mpx.nnx.Fp8History)
+      new_history = mpx.update_fp8_state(history, observed, opt_state=optimizer.opt_state)
+      nnx.update(model, new_history)
     return loss
 
   return step

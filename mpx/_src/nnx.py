@@ -42,6 +42,8 @@ _BOUNDARY_CLASSES: dict[type, type] = {}
 class Fp8History(nnx.Variable):
   """One tensor's amax history for delayed fp8 scaling: ``float32[history_length + 1]``.
 
+  A layer of an ``nnx.vmap`` stack has one per layer: ``float32[layers, history_length + 1]``.
+
   ``[pending, most recent, ..., oldest]``; see :func:`mpx.update_fp8_state`.
   Select them with ``nnx.split(model, nnx.Param, mpx.nnx.Fp8History, ...)``.
   """
@@ -294,8 +296,10 @@ def apply_policy(
     see ``docs/fp8.md``); with delayed scaling, ``dot_general`` /
     ``einsum_op`` <- an :class:`mpx.nnx.Fp8DotGeneral` /
     :class:`mpx.nnx.Fp8Einsum` holding :class:`mpx.nnx.Fp8History`
-    variables. Layers a keep rule gives a policy without ``fp8`` keep their
-    dtype.
+    variables, with the leading axes of the layer's kernel when the layer
+    was built under ``nnx.vmap`` (so ``nnx.scan`` over the stack gives each
+    layer its own). Layers a keep rule gives a policy without ``fp8`` keep
+    their dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype
@@ -304,8 +308,9 @@ def apply_policy(
   to the parent's, so the next matmul still runs in half precision. NNX has no
   method interceptor, so such a layer's class is swapped for a same-named
   subclass whose ``__call__`` casts; it is part of the graph definition, so
-  ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and ``nnx.Optimizer`` carry it
-  along.
+  ``nnx.split`` / ``nnx.merge``, ``nnx.jit``, ``nnx.Optimizer`` and the
+  lifted transforms (``nnx.vmap``, ``nnx.scan``, ``nnx.remat``) carry it
+  along, and ``pickle`` / ``copy.deepcopy`` restore it.
 
   Lean norms (``rules.lean_norms``, the default): that ``__call__`` computes
   a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision

@@ -232,6 +232,87 @@ class NnxDecoder(nnx.Module):
 
 
 # ---------------------------------------------------------------------------
+# NNX Llama-style decoder: blocks stacked with nnx.vmap, run with nnx.scan.
+# ---------------------------------------------------------------------------
+
+
+class NnxLlamaBlock(nnx.Module):
+  """RMSNorm, causal self-attention, RMSNorm, gated (SwiGLU) MLP, with a dropout of its own."""
+
+  def __init__(self, features: int, num_heads: int, hidden: int, *, rngs: nnx.Rngs):
+    self.attn_norm = nnx.RMSNorm(features, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(num_heads, features, decode=False, use_bias=False, rngs=rngs)
+    self.mlp_norm = nnx.RMSNorm(features, rngs=rngs)
+    self.gate = nnx.Linear(features, hidden, use_bias=False, rngs=rngs)
+    self.up = nnx.Linear(features, hidden, use_bias=False, rngs=rngs)
+    self.down = nnx.Linear(hidden, features, use_bias=False, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1, rngs=rngs)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2], dtype=jnp.int32))
+    x = x + self.attn(self.attn_norm(x), mask=mask)
+    h = self.mlp_norm(x)
+    return x + self.dropout(self.down(nnx.silu(self.gate(h)) * self.up(h)))
+
+
+class NnxLlama(nnx.Module):
+  """A Llama-style decoder; ``stacked`` builds the blocks with ``nnx.vmap`` and runs them with
+  ``nnx.scan`` over ``nnx.remat``, otherwise a Python loop over separate (rematted) blocks.
+
+  ``__call__`` takes an ``nnx.Rngs`` for the embedding dropout; each block's dropout draws
+  from a stream of its own (stacked with the blocks).
+  """
+
+  def __init__(
+    self,
+    *,
+    stacked: bool,
+    vocab_size: int = VOCAB_SIZE,
+    features: int = 32,
+    num_heads: int = 2,
+    hidden: int = 64,
+    num_layers: int = 2,
+    rngs: nnx.Rngs,
+  ):
+    self.stacked = stacked
+    self.embed = nnx.Embed(vocab_size, features, rngs=rngs)
+    self.dropout = nnx.Dropout(0.1)
+    if stacked:
+
+      @nnx.split_rngs(splits=num_layers)
+      @nnx.vmap(in_axes=(0,), out_axes=0)
+      def make_blocks(rngs: nnx.Rngs) -> NnxLlamaBlock:
+        return NnxLlamaBlock(features, num_heads, hidden, rngs=rngs)
+
+      self.blocks = make_blocks(rngs)
+    else:
+      self.blocks = nnx.List(
+        [NnxLlamaBlock(features, num_heads, hidden, rngs=rngs) for _ in range(num_layers)]
+      )
+    self.norm = nnx.RMSNorm(features, rngs=rngs)
+    self.head = nnx.Linear(features, vocab_size, use_bias=False, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, rngs: nnx.Rngs) -> jax.Array:
+    x = self.dropout(self.embed(tokens), rngs=rngs)
+
+    @nnx.remat
+    def run_block(block: NnxLlamaBlock, x: jax.Array) -> jax.Array:
+      return block(x)
+
+    if self.stacked:
+
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      def run_blocks(x: jax.Array, block: NnxLlamaBlock) -> jax.Array:
+        return run_block(block, x)
+
+      x = run_blocks(x, self.blocks)
+    else:
+      for block in self.blocks:
+        x = run_block(block, x)
+    return self.head(self.norm(x))
+
+
+# ---------------------------------------------------------------------------
 # Data.
 # ---------------------------------------------------------------------------
 

@@ -149,7 +149,7 @@ def test_preferred_element_type_float32_does_not_survive_the_backward_pass():
   assert backward.float32_ops == backward.ops  # The float32 cotangent meets the half operand.
 
 
-def test_scan_body_counted_once_and_checkpoint_recomputation_is_backward():
+def test_scan_body_counted_per_iteration_and_checkpoint_recomputation_is_backward():
   def f(ws, x):
     @jax.checkpoint
     def layer(h, w):
@@ -160,12 +160,21 @@ def test_scan_body_counted_once_and_checkpoint_recomputation_is_backward():
   report = mpx.audit(jax.grad(f), jnp.ones((5, 16, 16)), jnp.ones((8, 16)))
 
   # One forward product, and in the backward body: its recomputation plus the
-  # two gradient products; the 5 iterations are not multiplied in.
+  # two gradient products; each runs once per iteration of the 5.
   assert len(report.filter(backward=False).ops) == 1
   assert len(report.backward_ops) == 3
-  assert all(op.count == 1 for op in report.ops)
-  assert report.total_flops == 4 * 2 * 8 * 16 * 16
+  assert all(op.count == 5 for op in report.ops)
+  assert report.total_flops == 5 * 4 * 2 * 8 * 16 * 16
   assert all(op.module_path.endswith("layer") for op in report.ops)
+
+
+def test_loop_of_unknown_length_counts_its_body_once():
+  def f(x, w):
+    return jax.lax.while_loop(lambda h: h.sum() < 100.0, lambda h: h @ w, x)
+
+  (op,) = mpx.audit(f, jnp.ones((8, 16)), jnp.ones((16, 16))).ops
+
+  assert op.count == 1
 
 
 def test_called_function_counted_once_per_call_site():

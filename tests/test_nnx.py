@@ -1,10 +1,14 @@
 """Tests for mpx.nnx.apply_policy on NNX graphs."""
 
+import copy
+import pickle
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 from flax import nnx
 from optax_compat import standard_promotion
 
@@ -253,3 +257,66 @@ def test_rngs_passed_to_the_model_advance_as_without_a_policy(name):
   assert not jnp.array_equal(masks[0], masks[1]) and not jnp.array_equal(masks[1], masks[2])
   for mask, reference in zip(masks, reference_masks, strict=True):
     assert jnp.array_equal(mask, reference)
+
+
+def test_applying_other_rules_or_settings_again_raises_and_leaves_params_alone():
+  model = mpx.nnx.apply_policy(Decoder(nnx.Rngs(0)), "bfloat16")
+  kernel = np.asarray(model.head.kernel[...])
+  with pytest.raises(mpx.PolicyError, match="with other keep rules"):
+    mpx.nnx.apply_policy(model, "bfloat16", rules=mpx.KeepRules().with_path("^head$", "float32"))
+  with pytest.raises(mpx.PolicyError, match="accumulate_in_float32=True"):
+    mpx.nnx.apply_policy(model, "bfloat16", accumulate_in_float32=True)
+  assert model.head.kernel.dtype == jnp.bfloat16 and model.head.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(model.head.kernel[...], kernel)
+
+
+def test_applying_the_same_settings_again_returns_the_model_unchanged():
+  rngs = nnx.Rngs(0)
+  model = Decoder(rngs)
+  rules = mpx.KeepRules().with_instance(model.head, "float32")
+  mpx.nnx.apply_policy(model, "bfloat16", rules=rules)
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  graphdef = nnx.graphdef(model)
+  assert mpx.nnx.apply_policy(model, "bfloat16", rules=rules) is model
+  assert nnx.graphdef(model) == graphdef
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(model), before)
+  assert model.head.kernel.dtype == jnp.float32 and model.up.kernel.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+  ("model", "match"),
+  [
+    (nn.Dense(4), r"linen module Dense.*mpx\.linen\.apply_policy"),
+    (mpx.linen.apply_policy(nn.Dense(4), "mixed_bfloat16"), r"linen module.*mpx\.linen\."),
+    ({"kernel": jnp.ones((2, 2))}, r"got dict\..*cast_to_param"),
+    (None, r"got NoneType"),
+  ],
+  ids=["linen", "linen-policy-model", "dict", "none"],
+)
+def test_anything_but_an_nnx_module_raises_a_policy_error(model, match):
+  with pytest.raises(mpx.PolicyError, match=match):
+    mpx.nnx.apply_policy(model, "mixed_bfloat16")
+
+
+@pytest.mark.parametrize(
+  "copy_fn", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy], ids=["pickle", "deepcopy"]
+)
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_float8_delayed"])
+def test_a_policy_applied_model_pickles_and_copies_to_an_equal_working_model(copy_fn, name):
+  model = mpx.nnx.apply_policy(Decoder(nnx.Rngs(0)), name)
+  copied = copy_fn(model)
+  assert copied is not model
+  assert nnx.graphdef(copied) == nnx.graphdef(model)
+  assert type(copied.norm) is type(model.norm) and type(copied) is type(model)
+  jax.tree.map(np.testing.assert_array_equal, nnx.state(copied), nnx.state(model))
+  ids = jnp.arange(8, dtype=jnp.int32).reshape(1, 8)
+  out = copied(ids)
+  assert out.dtype == jnp.float32
+  np.testing.assert_array_equal(out, model(ids))
+  compute = str(mpx.get_policy(name).compute_dtype)
+  dots = _dot_operands(lambda m: m(ids), copied)
+  assert dots and all(compute in d or "float8" in d[0] for d in dots)
+  assert copied.norm(jnp.ones((1, 16), jnp.float32)).dtype == mpx.get_policy(name).compute_dtype
+  # The copy keeps its policy record: another policy on top is refused.
+  with pytest.raises(mpx.PolicyError, match="already runs under"):
+    mpx.nnx.apply_policy(copied, "float16")

@@ -53,7 +53,9 @@ class MatmulOp:
     name: the raw JAX name stack of the op, for when ``module_path`` is not
       enough.
     is_backward: whether the op belongs to a transposed (backward) computation.
-    count: how many static call sites execute the op (see the module notes).
+    count: how many times one run of the program executes the op: its static
+      call sites times the trip counts of the loops around it (see
+      :func:`audit`).
     misaligned: the ``gemm_dims`` that are not multiples of 8, as ``("N=10",)``.
     fp8: per operand, the float8 format it was dequantised from just before
       the op (``convert`` from float8, times a scale: the form XLA:GPU
@@ -157,7 +159,7 @@ class ReductionOp:
     module_path: the issuing module, as for :class:`MatmulOp`.
     name: the raw JAX name stack.
     is_backward: whether the op belongs to the backward pass.
-    count: static call sites executing the op.
+    count: executions per run (call sites times enclosing loop trip counts).
   """
 
   kind: str
@@ -474,9 +476,11 @@ def audit(
   class names, a method other than ``__call__`` appended as ``.method``).
 
   What is counted: ops in called functions count once per static call site.
-  Ops in ``while`` bodies (``lax.scan``, ``fori_loop``) count once, not once
-  per iteration, since the trip count is not part of the program text, so the
-  FLOP shares of scanned layers are understated by their trip count. Ops that
+  Ops in ``while`` bodies count once per iteration when the loop has a
+  constant trip count, as ``lax.scan`` and ``fori_loop`` with static bounds
+  (so ``nn.scan`` and ``nnx.scan``) lower to: a scanned layer stack reports
+  the FLOP shares of the same layers unrolled. A loop whose length is known
+  only at run time counts its body once. Ops that
   ``jax.checkpoint`` recomputes in the backward pass appear as backward ops.
 
   Args:

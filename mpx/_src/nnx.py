@@ -14,12 +14,13 @@ layer's own params and statistics. The user-facing account is
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
+from flax import linen, nnx
 from flax.nnx.nn import dtypes as nnx_dtypes
 
 from mpx._src import casting, errors, kernels, layer_policy, norm_layers
@@ -41,6 +42,8 @@ _BOUNDARY_CLASSES: dict[type, type] = {}
 class Fp8History(nnx.Variable):
   """One tensor's amax history for delayed fp8 scaling: ``float32[history_length + 1]``.
 
+  A layer of an ``nnx.vmap`` stack has one per layer: ``float32[layers, history_length + 1]``.
+
   ``[pending, most recent, ..., oldest]``; see :func:`mpx.update_fp8_state`.
   Select them with ``nnx.split(model, nnx.Param, mpx.nnx.Fp8History, ...)``.
   """
@@ -60,13 +63,16 @@ class Fp8DotGeneral(nnx.Module):
 
   Args:
     recipe: the delayed-scaling recipe.
+    batch_shape: the leading axes of the layer's stack (``(layers,)`` for a
+      layer built under ``nnx.vmap``), so that ``nnx.scan`` over the stack
+      hands each layer its own histories.
   """
 
-  def __init__(self, recipe: fp8_lib.Fp8Recipe) -> None:
+  def __init__(self, recipe: fp8_lib.Fp8Recipe, *, batch_shape: tuple[int, ...] = ()) -> None:
     self.recipe = recipe
-    self.lhs = Fp8History(fp8_lib.init_history(recipe))
-    self.rhs = Fp8History(fp8_lib.init_history(recipe))
-    self.grad = Fp8History(fp8_lib.init_history(recipe))
+    self.lhs = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
+    self.rhs = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
+    self.grad = Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape))
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
     """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
@@ -100,6 +106,24 @@ class Fp8Einsum(Fp8DotGeneral):
 _REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
 
 
+def _stack_shape(module: nnx.Module) -> tuple[int, ...]:
+  """The leading axes of a ``Linear``, ``LinearGeneral`` or ``Einsum`` built under ``nnx.vmap``.
+
+  ``nnx.vmap`` stacks the kernel but leaves the layer's static fields as one
+  layer's, so the axes the kernel has beyond what those fields give are the
+  stack's. ``()`` for a layer built alone, or inside the vmapped constructor.
+  """
+  if "kernel_shape" in vars(module):  # Einsum
+    ndim = len(module.kernel_shape)  # pyright: ignore[reportAttributeAccessIssue]
+  elif "batch_axis" in vars(module):  # LinearGeneral
+    fields: Any = module
+    ndim = len(fields.batch_axis) + len(fields.in_features) + len(fields.out_features)
+  else:  # Linear
+    ndim = 2
+  shape = module.kernel.shape  # pyright: ignore[reportAttributeAccessIssue]
+  return tuple(shape[: len(shape) - ndim])
+
+
 def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
   """Gives a ``Linear``, ``LinearGeneral`` or ``Einsum`` a float8 contraction (not if customised)."""
   fields = vars(module)
@@ -111,12 +135,14 @@ def _configure_fp8(module: nnx.Module, recipe: fp8_lib.Fp8Recipe) -> None:
     if fields.get("dot_general_cls") is not None:
       return
     if recipe.delayed:
-      module.dot_general = nnx.data(Fp8DotGeneral(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+      dot = Fp8DotGeneral(recipe, batch_shape=_stack_shape(module))
+      module.dot_general = nnx.data(dot)  # pyright: ignore[reportAttributeAccessIssue]
     else:
       module.dot_general = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)  # pyright: ignore[reportAttributeAccessIssue]
   elif fields.get("einsum_op") is jnp.einsum:
     if recipe.delayed:
-      module.einsum_op = nnx.data(Fp8Einsum(recipe))  # pyright: ignore[reportAttributeAccessIssue]
+      einsum = Fp8Einsum(recipe, batch_shape=_stack_shape(module))
+      module.einsum_op = nnx.data(einsum)  # pyright: ignore[reportAttributeAccessIssue]
     else:
       dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe)
       module.einsum_op = functools.partial(jnp.einsum, _dot_general=dot)  # pyright: ignore[reportAttributeAccessIssue]
@@ -165,6 +191,12 @@ def _boundary_class(cls: type) -> type:
       args, kwargs = casting.cast_tree((args, kwargs), inner)
       return casting.cast_tree(call(*args, **kwargs), outer)
 
+    def reduce_ex(self: Any, protocol: Any) -> Any:
+      # Pickle finds a class by its name, which leads to `cls`, not to this subclass: store
+      # `cls` and rebuild the subclass from it on loading (`_new_casting`).
+      _, (_, *new_args), *rest = super(subclass, self).__reduce_ex__(protocol)
+      return (_new_casting, (cls, *new_args), *rest)
+
     # A mixin base would change the instance layout and forbid the swap.
     subclass = type(
       cls.__name__,
@@ -173,11 +205,55 @@ def _boundary_class(cls: type) -> type:
         "__module__": cls.__module__,
         "__qualname__": cls.__qualname__,
         "__call__": call_casting,
+        "__reduce_ex__": reduce_ex,
         "_mpx_casts_at_boundary": True,
       },
     )
     _BOUNDARY_CLASSES[cls] = subclass
   return _BOUNDARY_CLASSES[cls]
+
+
+def _new_casting(cls: type, *args: Any) -> Any:
+  """Unpickles an instance of ``cls``'s casting subclass (see ``_boundary_class``)."""
+  subclass = _boundary_class(cls)
+  return subclass.__new__(subclass, *args)
+
+
+def _check_model(model: Any) -> None:
+  """Raises a ``PolicyError`` unless ``model`` is an NNX module."""
+  if isinstance(model, nnx.Module):
+    return
+  if isinstance(model, linen.Module) or isinstance(getattr(model, "module", None), linen.Module):
+    raise errors.PolicyError(
+      f"mpx.nnx.apply_policy got the linen module {type(model).__name__}; NNX's adapter cannot "
+      "reach its layers, so it would train without the policy. Use "
+      "mpx.linen.apply_policy(model, policy) and its init/apply for linen models."
+    )
+  raise errors.PolicyError(
+    f"mpx.nnx.apply_policy needs a flax.nnx.Module (the model object), got "
+    f"{type(model).__name__}. Build the model first (model = MyModel(rngs=nnx.Rngs(0))) and pass "
+    "it; to cast a pytree of arrays, use policy.cast_to_param or mpx.cast_tree."
+  )
+
+
+def _settings(
+  policy: policy_lib.Policy,
+  rules: keep_lib.KeepRules,
+  accumulate_in_float32: bool,
+  paths: dict[int, tuple[Any, ...]],
+) -> tuple[str, str]:
+  """What :func:`apply_policy` writes into a model: ``(policy and accumulation, keep rules)``.
+
+  Strings, so the record is static (part of the graph definition) and survives
+  ``nnx.split``/``nnx.merge`` and pickling; instance rules are recorded by the
+  layer's path, which is what they mean for this model.
+  """
+  instances = [
+    (layer_policy.join_path(paths[id(m)]) if id(m) in paths else type(m).__name__, str(p))
+    for m, p in rules.instances
+  ]
+  rules_text = f"{dataclasses.replace(rules, instances=())!r} with instance rules {instances}"
+  return f"{policy}, accumulate_in_float32={accumulate_in_float32}", rules_text
 
 
 def apply_policy(
@@ -220,8 +296,10 @@ def apply_policy(
     see ``docs/fp8.md``); with delayed scaling, ``dot_general`` /
     ``einsum_op`` <- an :class:`mpx.nnx.Fp8DotGeneral` /
     :class:`mpx.nnx.Fp8Einsum` holding :class:`mpx.nnx.Fp8History`
-    variables. Layers a keep rule gives a policy without ``fp8`` keep their
-    dtype.
+    variables, with the leading axes of the layer's kernel when the layer
+    was built under ``nnx.vmap`` (so ``nnx.scan`` over the stack gives each
+    layer its own). Layers a keep rule gives a policy without ``fp8`` keep
+    their dtype.
 
   Boundaries: the model's floating inputs are cast to its compute dtype and
   its floating outputs to the output dtype. A layer whose compute dtype
@@ -230,8 +308,9 @@ def apply_policy(
   to the parent's, so the next matmul still runs in half precision. NNX has no
   method interceptor, so such a layer's class is swapped for a same-named
   subclass whose ``__call__`` casts; it is part of the graph definition, so
-  ``nnx.split`` / ``nnx.merge``, ``nnx.jit`` and ``nnx.Optimizer`` carry it
-  along.
+  ``nnx.split`` / ``nnx.merge``, ``nnx.jit``, ``nnx.Optimizer`` and the
+  lifted transforms (``nnx.vmap``, ``nnx.scan``, ``nnx.remat``) carry it
+  along, and ``pickle`` / ``copy.deepcopy`` restore it.
 
   Lean norms (``rules.lean_norms``, the default): that ``__call__`` computes
   a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision
@@ -263,29 +342,36 @@ def apply_policy(
     ``model`` itself, for chaining.
 
   Raises:
-    PolicyError: the model already runs under a different policy.
+    PolicyError: ``model`` is not an NNX module (a linen module, a dict of
+      params, ``None``), or it already runs under a different policy, keep
+      rules or ``accumulate_in_float32``. Applying the same settings again
+      returns ``model`` unchanged.
 
   Example:
     >>> import jax.numpy as jnp, mpx
-    >>> from flax import nnx
+    >>> from flax import linen, nnx
     >>> model = mpx.nnx.apply_policy(nnx.Linear(4, 3, rngs=nnx.Rngs(0)), "mixed_bfloat16")
     >>> model.kernel.dtype, model(jnp.ones((2, 4))).dtype
     (dtype('float32'), dtype('float32'))
   """
+  _check_model(model)
   policy = policy_lib.get_policy(policy)
   rules = keep_lib.KeepRules() if rules is None else rules
-  settings = f"{policy};accumulate_in_float32={accumulate_in_float32}"
-  previous = getattr(model, "mpx_policy", None)
-  if previous is not None and previous != settings:
-    raise errors.PolicyError(
-      f"This model already runs under {previous}; applying {settings} on top would "
-      "conflict (half params cannot be restored to float32 exactly). Build the model again "
-      "(or nnx.merge a float32 copy) and apply the policy once."
-    )
-
   nodes = list(nnx.iter_graph(model))
   modules = {tuple(path): node for path, node in nodes if isinstance(node, nnx.Module)}
   paths = {id(module): path for path, module in modules.items()}
+  settings = _settings(policy, rules, accumulate_in_float32, paths)
+  previous = getattr(model, "mpx_policy", None)
+  if previous == settings:
+    return model
+  if previous is not None:
+    change = "it with other keep rules" if previous[0] == settings[0] else settings[0]
+    raise errors.PolicyError(
+      f"This model already runs under {previous[0]}; applying {change} on top would re-cast "
+      "params that the first policy already rounded (half-precision "
+      "params cannot be restored to float32 exactly). Build the model again (or nnx.merge a "
+      "float32 copy of its state) and apply the policy once, with all its keep rules."
+    )
 
   def owner(path: tuple[Any, ...]) -> nnx.Module:
     """The closest module strictly enclosing ``path`` (the root encloses everything)."""

@@ -68,8 +68,9 @@ def _prober(
 
   def one(pure: Any, rest: Any, a: tuple, scale: jax.Array) -> activations.ActivationStats:
     def run(recorder: activations.Recorder, p: Any) -> Any:
-      # Fresh variables, made in this trace: NNX refuses writes from another one.
-      state, others = jax.tree.map(lambda x: x, (params, rest))
+      # Fresh variables, made in this trace: NNX refuses writes from another one. That holds
+      # for NNX objects among the arguments too (an `nnx.Rngs` whose counts a dropout advances).
+      state, others, fresh_args = jax.tree.map(lambda x: x, (params, rest, a))
       nnx.replace_by_pure_dict(state, p)
       copy = nnx.merge(graphdef, state, others)
       paths = {}
@@ -79,7 +80,7 @@ def _prober(
           paths[id(node)] = layer_policy.join_path(path)
       token = _TAPPING.set((recorder, paths, set()))
       try:
-        return loss_fn(copy, *a)
+        return loss_fn(copy, *fresh_args)
       finally:
         _TAPPING.reset(token)
 

@@ -162,12 +162,45 @@ def _module_path(name: str, location: str) -> tuple[str, bool]:
   return "/".join(segments), "transpose" in transforms
 
 
-def _walk(op: Any) -> Iterator[Any]:
+_INTEGER = re.compile(r"dense<(-?\d+)>")
+
+
+def _constant(value: Any) -> int | None:
+  owner = value.owner
+  if getattr(owner, "name", None) != "stablehlo.constant":
+    return None
+  match = _INTEGER.match(_attributes(owner)["value"])
+  return int(match.group(1)) if match else None
+
+
+def _trip_count(loop: Any) -> int:
+  """How many times a ``stablehlo.while`` runs its body, read from ``counter < limit`` (else 1).
+
+  ``lax.scan`` and ``fori_loop`` (so ``nn.scan`` and ``nnx.scan``) lower to a
+  counter started at a constant and compared with a constant limit; a loop
+  whose length is only known at run time is counted once.
+  """
+  cond = loop.regions[0].blocks[0]
+  for op in cond.operations:
+    if op.name != "stablehlo.compare" or "LT" not in _attributes(op)["comparison_direction"]:
+      continue
+    counter, limit = op.operands[0], _constant(op.operands[1])
+    for i, argument in enumerate(cond.arguments):
+      start = _constant(loop.operands[i]) if argument == counter else None
+      if start is not None and limit is not None:
+        return max(limit - start, 0)
+  return 1
+
+
+def _walk(op: Any, repeats: int = 1) -> Iterator[tuple[Any, int]]:
+  """Every op nested in ``op``, with how many times it runs per run of ``op``."""
   for region in op.regions:
     for block in region.blocks:
       for child in block.operations:
-        yield child.operation
-        yield from _walk(child.operation)
+        child = child.operation
+        yield child, repeats
+        inner = repeats * _trip_count(child) if child.name == "stablehlo.while" else repeats
+        yield from _walk(child, inner)
 
 
 def _attributes(op: Any) -> dict[str, str]:
@@ -182,37 +215,38 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
     if func.name == "func.func":
       functions[_attributes(func)["sym_name"].strip('"')] = list(_walk(func))
   # Private functions carry name stacks relative to their call site.
-  callers: dict[str, list[tuple[str, str]]] = {name: [] for name in functions}
+  callers: dict[str, list[tuple[str, str, int]]] = {name: [] for name in functions}
   for caller, ops in functions.items():
-    for op in ops:
+    for op, repeats in ops:
       if op.name == "func.call":
         callee = _attributes(op)["callee"].lstrip("@")
-        callers.setdefault(callee, []).append((caller, _location_name(str(op.location))))
+        site = (caller, _location_name(str(op.location)), repeats)
+        callers.setdefault(callee, []).append(site)
   prefix: dict[str, str] = {}
   count: dict[str, int] = {}
 
   def resolve(func: str, seen: frozenset[str] = frozenset()) -> None:
     if func in prefix:
       return
-    sites = [(c, n) for c, n in callers.get(func, []) if c not in seen]
+    sites = [site for site in callers.get(func, []) if site[0] not in seen]
     if not sites:
       prefix[func], count[func] = "", 1
       return
-    for caller, _ in sites:
+    for caller, _, _ in sites:
       resolve(caller, seen | {func})
-    caller, call_name = sites[0]
+    caller, call_name, _ = sites[0]
     prefix[func] = "/".join(p for p in (prefix[caller], call_name) if p)
-    count[func] = sum(count[c] for c, _ in sites)
+    count[func] = sum(count[c] * repeats for c, _, repeats in sites)
 
   records = []
   for func, ops in functions.items():
     resolve(func)
-    for op in ops:
+    for op, repeats in ops:
       if op.name not in names:
         continue
       location = str(op.location)
       name = "/".join(p for p in (prefix[func], _location_name(location)) if p)
-      records.append({"op": op, "name": name, "location": location, "count": count[func]})
+      records.append({"op": op, "name": name, "location": location, "count": count[func] * repeats})
   return records
 
 

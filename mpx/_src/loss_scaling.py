@@ -141,7 +141,7 @@ def _loss_scaling(
     _warn_without_masters(params, inner_state)
     growth, hysteresis = rule.initial_trackers
     # One array per field: a buffer shared by two leaves cannot be donated.
-    return LossScaleState(
+    state = LossScaleState(
       loss_scale=jnp.asarray(rule.initial_scale, jnp.float32),
       growth_tracker=jnp.asarray(growth, jnp.int32),
       hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
@@ -152,6 +152,7 @@ def _loss_scaling(
       nonfinite_leaf=jnp.full((), -1, jnp.int32),
       inner_state=inner_state,
     )
+    return tree_lib.place_state(state, params)
 
   def update_fn(
     updates: optax.Updates,

@@ -150,34 +150,6 @@ def update_toward(target: jax.Array, param: jax.Array, wide_dtype: np.dtype) -> 
   return diff.astype(param.dtype)
 
 
-def follow_param_shardings(inner_state: optax.OptState, inner_params: optax.Params) -> Any:
-  """Places every param-shaped moment on its param's sharding (eager init only).
-
-  optax creates moments with ``jnp.zeros_like``, which does not keep the
-  param's sharding; under ``jit`` the shardings are not known while tracing,
-  so there the caller passes ``out_shardings`` instead.
-  """
-  leaves = jax.tree.leaves(inner_params)
-  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-  if not leaves or not all(isinstance(p, jax.Array) and not isinstance(p, tracer) for p in leaves):
-    return inner_state
-  structure = jax.tree.structure(inner_params)
-
-  def is_param_like(node: Any) -> bool:
-    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
-
-  def place(s: Any, p: jax.Array) -> Any:
-    if isinstance(s, jax.Array) and s.shape == p.shape:
-      return jax.device_put(s, p.sharding)
-    return s
-
-  return jax.tree.map(
-    lambda node: jax.tree.map(place, node, inner_params) if is_param_like(node) else node,
-    inner_state,
-    is_leaf=is_param_like,
-  )
-
-
 def with_master_params(
   inner: optax.GradientTransformation,
   *,
@@ -264,7 +236,7 @@ def with_master_params(
     inner_params = jax.tree.map(
       lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
     )
-    inner_state = follow_param_shardings(inner.init(inner_params), inner_params)
+    inner_state = tree_lib.place_state(inner.init(inner_params), inner_params)
     return MasterParamsState(masters, inner_state)
 
   def update_fn(

@@ -147,7 +147,7 @@ def with_state_dtype(
 
   def init_fn(params: optax.Params) -> optax.OptState:
     state = cast(inner.init(params), state_dtype)
-    return master_params_lib.follow_param_shardings(state, params)
+    return tree_lib.place_state(state, params)
 
   def update_fn(
     updates: optax.Updates,

@@ -63,6 +63,75 @@ def is_floating_array(x: Any) -> bool:
   return is_array(x) and dtypes.is_floating(x.dtype)
 
 
+def _replicated_like(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
+def place_state(state: PyTree, params: PyTree) -> PyTree:
+  """Places a freshly built optimizer state where a jitted train step will return it.
+
+  ``jit`` keys its executables on whether each argument is committed to a
+  device: outputs always are, arrays made eagerly by ``jnp.zeros`` are not. A
+  state with committed and uncommitted leaves side by side (moments placed
+  on their params' shardings, counters not) therefore compiles the step
+  once for ``init``'s state and again for the state ``update`` returned. The
+  placement follows the params, so one rule serves every case:
+
+  * uncommitted params (``model.init`` outside ``jit``): nothing is placed,
+    and every leaf stays uncommitted like them;
+  * committed params: each moment shaped like its param (a node of the
+    params' structure) gets its param's sharding, and every other
+    uncommitted leaf (counts, loss scales) is committed, replicated, to the
+    params' devices, as the step's outputs will be.
+
+  Under ``jit`` or ``eval_shape`` (traced params) the state is returned as it
+  is: the caller's ``out_shardings`` place it.
+
+  Args:
+    state: the state built by a transformation's ``init``.
+    params: the params it was built for (masters, for an inner state).
+
+  Returns:
+    ``state`` with the placement described above.
+  """
+  leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+  if not leaves or any(isinstance(p, tracer) for p in leaves):
+    return state
+  if not any(p.committed for p in leaves):
+    return state
+  structure = jax.tree.structure(params)
+  replicated = _replicated_like(leaves[0].sharding)
+
+  def is_param_like(node: Any) -> bool:
+    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
+
+  def place_moment(s: Any, p: Any) -> Any:
+    moment = isinstance(s, jax.Array) and isinstance(p, jax.Array) and s.shape == p.shape
+    if not moment or not p.committed:
+      return place_other(s)
+    return s if s.committed and s.sharding == p.sharding else jax.device_put(s, p.sharding)
+
+  def place_other(s: Any) -> Any:
+    if isinstance(s, jax.Array) and not isinstance(s, tracer) and not s.committed:
+      return s if replicated is None else jax.device_put(s, replicated)
+    return s
+
+  return jax.tree.map(
+    lambda node: (
+      jax.tree.map(place_moment, node, params)
+      if is_param_like(node)
+      else jax.tree.map(place_other, node)
+    ),
+    state,
+    is_leaf=is_param_like,
+  )
+
+
 def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:
   """Returns every node of type ``cls`` in ``tree``, nested ones included.
 

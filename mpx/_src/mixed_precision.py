@@ -154,7 +154,11 @@ def mixed_precision(
 
   Warns:
     PrecisionWarning: at ``init``, when a param is narrower than the policy's
-      param dtype, or when half-precision params meet ``master_dtype=None``.
+      param dtype, when half-precision params meet ``master_dtype=None``, or
+      when a float16 policy meets ``loss_scale=None``; at the first traced
+      ``update`` whose gradients were not differentiated with the loss scale
+      (``jax.value_and_grad`` instead of :func:`mpx.value_and_grad`; see
+      :func:`mpx.dynamic_loss_scale`).
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -175,6 +179,16 @@ def mixed_precision(
 
   def init_fn(params: optax.Params) -> optax.OptState:
     _warn_on_narrow_params(params, policy)
+    if loss_scale is None and _F16 in (policy.compute_dtype, policy.param_dtype):
+      warnings.warn(
+        f"mpx.mixed_precision(..., loss_scale=None) with the float16 policy {policy}: float16 "
+        "gradients below 2**-24 flush to zero and small activation gradients are lost, so "
+        "training degrades without a word (paper section 3.2). Keep the default "
+        "loss_scale='dynamic' (with mpx.value_and_grad in the train step), or train in "
+        "bfloat16, whose range needs no loss scaling.",
+        errors.PrecisionWarning,
+        stacklevel=2,
+      )
     state = tx.init(params)
     master_params_lib.find_half_params_state(state)  # masters around a compensated inner: raise
     return state

@@ -234,6 +234,7 @@ def _loss_scaling(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleState]:
+    tree_lib.check_state_type(state, LossScaleState, "the loss-scaling transformation")
     state = cast(LossScaleState, state)
     _check_grads(updates, params)
     if rule.kind == "none":  # a scale of 1: nothing to unscale, check or skip

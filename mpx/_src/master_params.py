@@ -250,6 +250,7 @@ def with_master_params(
         "mpx.with_master_params needs the current params to return exact updates, but "
         "update was called without them. Call tx.update(grads, opt_state, params)."
       )
+    tree_lib.check_state_type(state, MasterParamsState, "mpx.with_master_params")
     tree_lib.check_same_structure(updates, params, names=("gradients", "params"))
     check_masters(state.master_params, params, master_dtype)
     masters = state.master_params
@@ -343,7 +344,9 @@ def apply_updates(
   masters in ``opt_state`` (float32 params, or half params whose updates
   ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` compensate)
   it is ``optax.apply_updates``, so it is the one call that fits every
-  policy. It reads the masters that ``update`` wrote and checked; nothing is
+  policy. The masters are found anywhere in ``opt_state``, also inside
+  ``optax.masked`` or ``optax.multi_transform``: the params another part of
+  the optimizer updates have no master there and get ``param + update``. It reads the masters that ``update`` wrote and checked; nothing is
   validated twice.
 
   Args:
@@ -360,13 +363,19 @@ def apply_updates(
   masters = find_master_params(opt_state)
   if masters is None:
     return optax.apply_updates(params, updates)
+
+  # Under optax.masked or multi_transform the masters hold a MaskedNode for
+  # every param another part of the optimizer updates: those have no master.
+  def no_master(m: Any) -> bool:
+    return m is None or isinstance(m, optax.MaskedNode)
+
   try:
     return jax.tree.map(
-      lambda m, p, u: optax.apply_updates(p, u) if m is None else m.astype(p.dtype),
+      lambda m, p, u: optax.apply_updates(p, u) if no_master(m) else m.astype(p.dtype),
       masters,
       params,
       updates,
-      is_leaf=_is_none,
+      is_leaf=no_master,
     )
   except ValueError as e:
     raise errors.StateError(

@@ -196,6 +196,20 @@ def mixed_precision(
   return optax.GradientTransformationExtraArgs(init_fn, tx.update)
 
 
+def _check_typed(opt_state: optax.OptState) -> None:
+  """Raises if ``opt_state`` lost its state types (an orbax restore without a target)."""
+  if tree_lib.find_nodes(opt_state, loss_scaling.LossScaleState):
+    return
+  for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if "loss_scale" in names:
+      raise errors.StateError(
+        f"The optimizer state holds a plain {tree_lib.path_str(path)!r} entry instead of an "
+        "mpx.LossScaleState: it was restored without a target, and neither mpx nor optax can "
+        f"use it. {tree_lib.RESTORE_ADVICE}"
+      )
+
+
 def check_state(
   opt_state: optax.OptState,
   params: optax.Params,
@@ -228,7 +242,9 @@ def check_state(
     ``None`` when the state fits the policy.
 
   Raises:
-    StateError: a floating param narrower than the policy's param dtype;
+    StateError: the state was restored without a target (dicts and lists
+      instead of the state types); a floating param narrower than the policy's
+      param dtype;
       half-precision params in the policy but none in ``params``; masters
       missing, superfluous or of the wrong shape or dtype; compensation
       buffers or rounding keys missing or not fitting the params, or present
@@ -256,6 +272,7 @@ def check_state(
       "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
       "checkpoint's policy."
     )
+  _check_typed(opt_state)
   keeper = master_params_lib.find_half_params_state(opt_state)
   if isinstance(keeper, kahan_lib.KahanState | rounding_lib.StochasticRoundingState):
     if master_dtype is not None:

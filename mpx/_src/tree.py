@@ -255,3 +255,35 @@ def check_same_shapes(a: PyTree, b: PyTree, *, names: tuple[str, str]) -> None:
       f"the shape of its leaf in the {names[1]}. Pass the {names[1]} the {names[0]} were "
       "computed from."
     )
+
+
+RESTORE_ADVICE = (
+  "A checkpoint restored without a target comes back as dicts and lists, which lose the state "
+  "types: restore with a target built by tx.init, e.g. "
+  "ckpt.restore(path, target=jax.eval_shape(tx.init, params)) (orbax's target=/item= argument)."
+)
+
+
+def check_state_type(state: Any, cls: type, owner: str) -> None:
+  """Raises unless ``state`` is a ``cls``, the state ``owner``'s ``init`` builds.
+
+  Args:
+    state: what ``update`` was given.
+    cls: the state class, e.g. :class:`LossScaleState`.
+    owner: the transformation's name, for the message.
+
+  Raises:
+    StateError: saying what was given instead, and how to get the right state.
+  """
+  if isinstance(state, cls):
+    return
+  fields = set(getattr(cls, "_fields", ()))
+  if isinstance(state, dict) and fields and fields <= set(state):
+    cause = f"a dict with the fields of {cls.__name__}. {RESTORE_ADVICE}"
+  else:
+    cause = (
+      f"a {type(state).__name__}, which its init did not make (the state of another "
+      "optimizer, or one part of a chain's state). Pass the state that this transformation's "
+      "init or update returned, the whole of it."
+    )
+  raise errors.StateError(f"The update of {owner} needs its {cls.__name__}, but got {cause}")

@@ -1025,3 +1025,37 @@ def test_no_loss_scale_with_float16_warns(policy):
 def test_no_loss_scale_with_bfloat16_does_not_warn():
   tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_bfloat16", loss_scale=None)
   tx.init({"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)])
+def test_empty_gradient_leaves(shape):
+  tx = mpx.mixed_precision(optax.sgd(0.1), "float16")
+  empty = {"e": jnp.zeros(shape, F16)}
+  state = tx.init(empty)
+  updates, state = jax.jit(tx.update)(empty, state, empty)  # only empty leaves: a finite step
+  assert updates["e"].shape == shape and not bool(state.last_step_skipped)
+  params = {"e": jnp.zeros(shape, F16), "w": jnp.ones(2, F16)}
+  state = tx.init(params)
+  grads = {"e": jnp.zeros(shape, F16), "w": jnp.array([1.0, jnp.inf], F16)}
+  _, state = jax.jit(tx.update)(grads, state, params)
+  assert int(state.skipped_steps) == 1
+  assert mpx.nonfinite_gradient_paths(state, params) == ["w"]
+
+
+def test_advice_for_integer_gradient_leaves_works():
+  tx = mpx.mixed_precision(optax.sgd(0.5), "mixed_float16")
+  params = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+
+  def loss_fn(p, step):
+    return jnp.sum(p["w"] ** 2) * (1 + step).astype(F32)
+
+  grads = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+  with pytest.raises(mpx.LeafTypeError, match="out of the tree you differentiate") as info:
+    tx.update(grads, tx.init(params), params)
+  assert "None" not in str(info.value)  # None leaves break the structure check downstream
+  # Following it: the counter is a separate argument, the optimizer sees floats only.
+  params, step = {"w": params["w"]}, params["step"]
+  state = tx.init(params)
+  _, grads = mpx.value_and_grad(loss_fn, state)(params, step)
+  updates, state = tx.update(grads, state, params)
+  np.testing.assert_allclose(mpx.apply_updates(params, updates, state)["w"], 0.0)

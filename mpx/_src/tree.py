@@ -181,9 +181,11 @@ def check_floating_leaves(tree: PyTree, *, what: str) -> None:
     kind = f"dtype {leaf.dtype}" if is_array(leaf) else f"type {type(leaf).__name__}"
     raise errors.LeafTypeError(
       f"{what} leaf {path_str(path)!r} has {kind}, but every leaf of the {what} "
-      "must be a floating-point array. Differentiate only with respect to floating "
-      "parameters (keep integer state such as step counters or batch statistics out of "
-      "the differentiated tree), or set non-differentiable leaves to None."
+      "must be a floating-point array. Keep non-floating state (step counters, integer "
+      "buffers, RNG keys) out of the tree you differentiate and pass to tx.init and "
+      "tx.update: hold it in a separate argument or Flax collection, e.g. "
+      "model.apply({'params': params, 'counters': counters}, x), so that the params, their "
+      "gradients and the optimizer state hold floating leaves only."
     )
 
 

@@ -1059,3 +1059,19 @@ def test_advice_for_integer_gradient_leaves_works():
   _, grads = mpx.value_and_grad(loss_fn, state)(params, step)
   updates, state = tx.update(grads, state, params)
   np.testing.assert_allclose(mpx.apply_updates(params, updates, state)["w"], 0.0)
+
+
+def test_divergence_advice_works_on_a_nested_state():
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), mpx.static_loss_scale(optax.sgd(1.0), 2.0**4)
+  )  # the loss-scale state sits inside a chain's tuple
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(tx.update)
+  _, state = step({"w": jnp.array([1.0, NAN])}, tx.init(params), params)
+  with pytest.raises(mpx.LossScaleDivergedError, match="tree_set") as info:
+    mpx.check_loss_scale(state)
+  advice = str(info.value).rsplit("reset the flag with ", 1)[1].rstrip(".")
+  state = eval(advice, {"optax": optax, "jnp": jnp, "opt_state": state})  # follow it verbatim
+  mpx.check_loss_scale(state)
+  step({"w": jnp.ones(2)}, state, params)
+  assert step._cache_size() == 1  # the reset flag keeps the state's dtypes

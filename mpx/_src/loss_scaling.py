@@ -371,17 +371,22 @@ def dynamic_loss_scale(
 
   Order with ``optax.MultiSteps``: put loss scaling *outside*,
   ``dynamic_loss_scale(optax.MultiSteps(inner, k))``. Each mini-batch is then
-  unscaled and checked before it enters the float32 accumulator, so a
-  non-finite mini-batch costs one mini-step (the accumulator and mini-step
-  counter stay untouched) and what is eventually applied is the mean of
-  checked, true gradients (``MultiSteps`` averages its mini-batches); the
-  scale may change inside a window, which is harmless because every
-  mini-batch is divided by the scale it was computed with. The other order,
-  ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the scale is
-  constant within a window and the check covers the accumulated mean, but the
-  *scaled* gradients are accumulated in their own dtype (a float16 running
-  mean can overflow), one bad mini-batch discards the whole window, and the scale
-  adapts ``k`` times more slowly.
+  unscaled and checked before it enters the accumulator, so a non-finite
+  mini-batch costs one mini-step (the accumulator and mini-step counter stay
+  untouched). ``MultiSteps`` does not sum its mini-batches: with its default
+  ``use_grad_mean=True`` it keeps the running mean ``acc + (g - acc) / (n +
+  1)`` of the ``n + 1`` mini-batches so far and hands ``inner`` that mean of
+  checked, true gradients (``use_grad_mean=False`` sums instead). Its
+  accumulator has the dtype of the params it was initialised with (the
+  float32 masters under :func:`mpx.mixed_precision`) unless its
+  ``accumulator_dtype`` says otherwise. The scale may change inside a window,
+  which is harmless because every mini-batch is divided by the scale it was
+  computed with. The other order, ``MultiSteps(dynamic_loss_scale(inner),
+  k)``, also works: the scale is constant within a window and the check
+  covers the accumulated mean, but the *scaled* gradients are accumulated
+  (in float16 for float16 params, where a running mean of values near the
+  scale can overflow), one bad mini-batch discards the whole window, and the
+  scale adapts ``k`` times more slowly.
 
   A forgotten :func:`mpx.value_and_grad` (gradients of the unscaled loss)
   trains SGD not at all, as the true gradients get divided by the scale. When

@@ -109,7 +109,9 @@ def with_state_dtype(
   mean of ``k`` micro-batches, stored narrow it would be rounded ``k`` times
   per applied step (about ``k`` times the error of one rounding), so
   ``with_state_dtype(optax.MultiSteps(inner, k), ...)`` narrows the moments of
-  ``inner`` only, like ``optax.MultiSteps(with_state_dtype(inner, ...), k)``. Each step
+  ``inner`` only, like ``optax.MultiSteps(with_state_dtype(inner, ...), k)``
+  (ask for a narrow accumulator with ``MultiSteps``' own
+  ``accumulator_dtype``). Each step
 
   .. math::
 

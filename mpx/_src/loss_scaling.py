@@ -421,6 +421,10 @@ def dynamic_loss_scale(
   Raises:
     ConfigError: an unknown preset, or a traced or out-of-range hyperparameter.
 
+  Warns:
+    PrecisionWarning: once, when ``update`` is traced with gradients that
+      were not differentiated through the loss scale (see above).
+
   Example:
     >>> import jax.numpy as jnp, optax, mpx
     >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1), initial_scale=8.0)

@@ -49,6 +49,7 @@ from mpx._src.master_params import MasterParamsState as MasterParamsState
 from mpx._src.master_params import apply_updates as apply_updates
 from mpx._src.master_params import with_master_params as with_master_params
 from mpx._src.mixed_precision import check_state as check_state
+from mpx._src.mixed_precision import get_master_params as get_master_params
 from mpx._src.mixed_precision import mixed_precision as mixed_precision
 from mpx._src.plots import plot_flushed_heatmap as plot_flushed_heatmap
 from mpx._src.plots import plot_loss_scale as plot_loss_scale
@@ -115,6 +116,7 @@ __all__ = (
   "fp8_dot_general",
   "fp8_max_grad",
   "get_loss_scale",
+  "get_master_params",
   "get_policy",
   "linen",
   "loss_scale_metrics",

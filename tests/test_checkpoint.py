@@ -75,8 +75,26 @@ def test_restore_keeps_masters_and_half_params(saved):
 
 def test_restore_without_target_lost_masters(saved):
   restored = _restore(saved[0])  # plain dicts and lists: the state types are gone
-  with pytest.raises(mpx.StateError, match="masters were lost"):
+  with pytest.raises(mpx.StateError, match=r"restored without a target.*target=jax\.eval_shape"):
     mpx.check_state(restored["opt_state"], restored["params"], POLICY)
+
+
+def test_restore_without_target_of_float32_params_is_caught(tmp_path):
+  params = {"w": jnp.ones(3)}
+  tx = mpx.mixed_precision(optax.sgd(0.1, momentum=0.9), "mixed_float16")
+  state = tx.init(params)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "ckpt", state)
+    ckpt.wait_until_finished()
+  untyped = _restore(tmp_path / "ckpt")
+  with pytest.raises(mpx.StateError, match="restored without a target"):
+    mpx.check_state(untyped, params, "mixed_float16")
+  with pytest.raises(mpx.StateError, match="restored without a target"):
+    tx.update(params, untyped, params)
+  # The advice works: a target built by tx.init restores the state types.
+  restored = _restore(tmp_path / "ckpt", jax.eval_shape(tx.init, params))
+  mpx.check_state(restored, params, "mixed_float16")
+  chex.assert_trees_all_equal(restored, state)
 
 
 def test_restore_under_another_policy(saved):

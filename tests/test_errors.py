@@ -209,7 +209,7 @@ BAD_INPUTS: list[tuple[str, Callable[[], Any], type[Exception], tuple[str, ...]]
     "integer_gradient_leaf",
     lambda: _check_grads(_grads_with(jnp.ones((2, 2), jnp.int32))),
     errors.LeafTypeError,
-    ("gradients leaf 'params/Dense_0/kernel' has dtype int32", "set non-differentiable"),
+    ("gradients leaf 'params/Dense_0/kernel' has dtype int32", "out of the tree you differentiate"),
   ),
   (
     "bool_gradient_leaf",

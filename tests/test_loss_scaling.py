@@ -930,3 +930,148 @@ def test_axis_name_makes_the_attribution_global():
   _, new = update(grads, state, params)
   np.testing.assert_array_equal(new.nonfinite_leaf, [0, 0, 0])
   np.testing.assert_array_equal(new.skip_history, [1, 1, 1])
+
+
+@pytest.fixture
+def unwarned(monkeypatch):
+  """Resets the once-per-process flag of the forgotten-scale warning."""
+  from mpx._src import loss_scaling
+
+  monkeypatch.setattr(loss_scaling, "_warned_unscaled", False)
+
+
+def _sgd_step(tx, grad_fn):
+  @jax.jit
+  def step(params, state):
+    grads = grad_fn(lambda p: jnp.sum(p["w"].astype(F32) ** 2) / 4, state)(params)
+    updates, state = tx.update(grads, state, params)
+    return mpx.apply_updates(params, updates, state), state
+
+  return step
+
+
+def test_forgotten_value_and_grad_warns_once_and_names_the_fix(unwarned):
+  tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
+  params = {"w": jnp.ones(3)}
+  step = _sgd_step(tx, lambda f, state: jax.grad(f))
+  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad.*mpx\.scale"):
+    new_params, _ = step(params, tx.init(params))
+  # What the warning is about: the true gradient 0.5 moved w by 0.1 * 0.5 / 2**15, not 0.05.
+  np.testing.assert_allclose(new_params["w"], 1 - 0.05 / 2**15, rtol=1e-7)
+  again = _sgd_step(tx, lambda f, state: jax.grad(f))  # a new trace: silent
+  again(params, tx.init(params))
+
+
+@pytest.mark.parametrize(
+  "grad_fn",
+  [
+    lambda f, state: lambda p: mpx.value_and_grad(f, state)(p)[1],
+    lambda f, state: jax.grad(lambda p: mpx.scale(f(p), state)),
+    lambda f, state: jax.grad(lambda p: f(p) * mpx.get_loss_scale(state)),
+    lambda f, state: jax.grad(lambda p: f(p) * state.loss_scale),
+  ],
+  ids=["value_and_grad", "scale", "get_loss_scale", "by_hand"],
+)
+@pytest.mark.parametrize("policy", ["mixed_float16", "params=float16,compute=float16"])
+def test_scaled_gradients_do_not_warn(unwarned, grad_fn, policy):
+  tx = mpx.mixed_precision(optax.sgd(0.1), policy)
+  params = mpx.get_policy(policy).cast_to_param({"w": jnp.ones(3)})
+  new_params, _ = _sgd_step(tx, grad_fn)(params, tx.init(params))  # warnings are errors
+  np.testing.assert_allclose(new_params["w"].astype(F32), 0.95, rtol=1e-3)
+
+
+def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn(unwarned):
+  params = {"w": jnp.ones(3)}
+  for tx in (
+    mpx.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"),  # no_loss_scale: nothing to forget
+    standard_promotion(optax.MultiSteps(mpx.dynamic_loss_scale(optax.sgd(0.1)), 2)),
+  ):
+    state = tx.init(params)
+    step = _sgd_step(tx, lambda f, state: lambda p: mpx.value_and_grad(f, state)(p)[1])
+    step(params, state)
+
+
+def test_forgotten_value_and_grad_warns_under_nnx(unwarned):
+  from flax import nnx
+
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  optimizer = nnx.Optimizer(
+    model, mpx.mixed_precision(optax.sgd(0.1), "mixed_float16"), wrt=nnx.Param
+  )
+
+  def loss_fn(m):
+    return jnp.mean(m(jnp.ones((4, 3))) ** 2)
+
+  @nnx.jit
+  def good(model, optimizer):
+    optimizer.update(model, mpx.value_and_grad(loss_fn, optimizer.opt_state)(model)[1])
+
+  @nnx.jit
+  def forgotten(model, optimizer):
+    optimizer.update(model, nnx.grad(loss_fn)(model))
+
+  good(model, optimizer)
+  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad"):
+    forgotten(model, optimizer)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "params=float16,compute=float16"])
+def test_no_loss_scale_with_float16_warns(policy):
+  tx = mpx.mixed_precision(optax.sgd(0.1), policy, loss_scale=None)
+  with pytest.warns(mpx.PrecisionWarning, match="loss_scale=None"):
+    tx.init(mpx.get_policy(policy).cast_to_param({"w": jnp.ones(3)}))
+
+
+def test_no_loss_scale_with_bfloat16_does_not_warn():
+  tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_bfloat16", loss_scale=None)
+  tx.init({"w": jnp.ones(3)})
+
+
+@pytest.mark.parametrize("shape", [(0,), (0, 3), (3, 0)])
+def test_empty_gradient_leaves(shape):
+  tx = mpx.mixed_precision(optax.sgd(0.1), "float16")
+  empty = {"e": jnp.zeros(shape, F16)}
+  state = tx.init(empty)
+  updates, state = jax.jit(tx.update)(empty, state, empty)  # only empty leaves: a finite step
+  assert updates["e"].shape == shape and not bool(state.last_step_skipped)
+  params = {"e": jnp.zeros(shape, F16), "w": jnp.ones(2, F16)}
+  state = tx.init(params)
+  grads = {"e": jnp.zeros(shape, F16), "w": jnp.array([1.0, jnp.inf], F16)}
+  _, state = jax.jit(tx.update)(grads, state, params)
+  assert int(state.skipped_steps) == 1
+  assert mpx.nonfinite_gradient_paths(state, params) == ["w"]
+
+
+def test_advice_for_integer_gradient_leaves_works():
+  tx = mpx.mixed_precision(optax.sgd(0.5), "mixed_float16")
+  params = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+
+  def loss_fn(p, step):
+    return jnp.sum(p["w"] ** 2) * (1 + step).astype(F32)
+
+  grads = {"w": jnp.ones(2), "step": jnp.zeros((), jnp.int32)}
+  with pytest.raises(mpx.LeafTypeError, match="out of the tree you differentiate") as info:
+    tx.update(grads, tx.init(params), params)
+  assert "None" not in str(info.value)  # None leaves break the structure check downstream
+  # Following it: the counter is a separate argument, the optimizer sees floats only.
+  params, step = {"w": params["w"]}, params["step"]
+  state = tx.init(params)
+  _, grads = mpx.value_and_grad(loss_fn, state)(params, step)
+  updates, state = tx.update(grads, state, params)
+  np.testing.assert_allclose(mpx.apply_updates(params, updates, state)["w"], 0.0)
+
+
+def test_divergence_advice_works_on_a_nested_state():
+  tx = optax.chain(
+    optax.clip_by_global_norm(1.0), mpx.static_loss_scale(optax.sgd(1.0), 2.0**4)
+  )  # the loss-scale state sits inside a chain's tuple
+  params = {"w": jnp.ones(2)}
+  step = jax.jit(tx.update)
+  _, state = step({"w": jnp.array([1.0, NAN])}, tx.init(params), params)
+  with pytest.raises(mpx.LossScaleDivergedError, match="tree_set") as info:
+    mpx.check_loss_scale(state)
+  advice = str(info.value).rsplit("reset the flag with ", 1)[1].rstrip(".")
+  state = eval(advice, {"optax": optax, "jnp": jnp, "opt_state": state})  # follow it verbatim
+  mpx.check_loss_scale(state)
+  step({"w": jnp.ones(2)}, state, params)
+  assert step._cache_size() == 1  # the reset flag keeps the state's dtypes

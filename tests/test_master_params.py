@@ -320,3 +320,34 @@ def test_two_master_states_are_ambiguous():
   params = {"w": jnp.ones(2, jnp.float16)}
   with pytest.raises(mpx.StateError, match="2 MasterParamsState"):
     master_params_lib.find_master_params(tx.init(params))
+
+
+@pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
+def test_apply_updates_finds_masters_under_masked_and_multi_transform(wrapper):
+  params = {"a": jnp.ones(3, jnp.float16), "b": jnp.ones(2, jnp.float16)}
+  mixed = mpx.mixed_precision(optax.sgd(1.0), "float16", loss_scale=1.0)
+  if wrapper == "masked":
+    tx = optax.masked(mixed, {"a": True, "b": False})  # "b" passes its gradient through
+  else:
+    tx = optax.multi_transform({"mp": mixed, "sgd": optax.sgd(1.0)}, {"a": "mp", "b": "sgd"})
+  state = tx.init(params)
+  grads = {"a": jnp.full(3, 1e-4, jnp.float16), "b": jnp.full(2, 0.25, jnp.float16)}
+  updates, state = tx.update(grads, state, params)
+  new = mpx.apply_updates(params, updates, state)
+  masters = master_params_lib.find_master_params(state)
+  # "a" is the cast of its float32 master, 1 - 1e-4 (1 in float16: the master keeps it).
+  np.testing.assert_array_equal(masters["a"], np.float32(1) - np.float32(np.float16(1e-4)))
+  np.testing.assert_array_equal(new["a"], masters["a"].astype(jnp.float16))
+  want_b = 1.25 if wrapper == "masked" else 0.75
+  np.testing.assert_array_equal(new["b"], np.full(2, want_b, np.float16))
+  chex.assert_trees_all_equal_dtypes(new, params)
+
+
+def test_update_with_another_optimizers_state():
+  params = {"w": jnp.ones(2, jnp.float16)}
+  grads = jax.tree.map(jnp.ones_like, params)
+  tx = mpx.mixed_precision(optax.sgd(0.1), "float16")
+  with pytest.raises(mpx.StateError, match=r"LossScaleState, but got a tuple.*init did not make"):
+    tx.update(grads, optax.sgd(0.1).init(params), params)
+  with pytest.raises(mpx.StateError, match="MasterParamsState, but got a tuple"):
+    mpx.with_master_params(optax.sgd(0.1)).update(grads, optax.sgd(0.1).init(params), params)

@@ -123,7 +123,11 @@ def test_composition(policy, loss_scale, scaled, masters):
   tx = mpx.mixed_precision(optax.sgd(0.1), policy, loss_scale=loss_scale)
   dtype = mpx.get_policy(policy).param_dtype
   params = {"w": jnp.ones(3, dtype), "b": jnp.zeros(2, jnp.float32)}
-  state = tx.init(params)
+  if loss_scale is None:  # float16 without loss scaling warns
+    with pytest.warns(mpx.PrecisionWarning, match="loss_scale=None"):
+      state = tx.init(params)
+  else:
+    state = tx.init(params)
   assert isinstance(state, mpx.LossScaleState)
   assert (float(state.loss_scale) != 1.0) == scaled
   assert isinstance(state.inner_state, mpx.MasterParamsState)
@@ -209,3 +213,32 @@ def test_params_wider_than_the_policy_do_not_warn():
   params = {"kernel": jnp.ones((2, 2), jnp.float16), "norm": {"scale": jnp.ones(2)}}
   tx = mpx.mixed_precision(optax.sgd(1.0), "params=float16,compute=float16,output=float32")
   tx.init(params)  # filterwarnings=error: any warning fails the test
+
+
+@pytest.mark.parametrize("layout", ["float32", "masters", "kahan", "stochastic", "masked"])
+def test_get_master_params(layout):
+  half = "params=bfloat16,compute=bfloat16,output=float32"
+  sgd = optax.sgd(1.0)
+  tx = {
+    "float32": lambda: mpx.mixed_precision(sgd, "mixed_bfloat16"),
+    "masters": lambda: mpx.mixed_precision(sgd, half),
+    "kahan": lambda: mpx.mixed_precision(mpx.with_kahan_summation(sgd), half, master_dtype=None),
+    "stochastic": lambda: mpx.mixed_precision(
+      mpx.with_stochastic_rounding(sgd, key=jax.random.key(0)), half, master_dtype=None
+    ),
+    "masked": lambda: optax.masked(mpx.mixed_precision(sgd, half), {"w": True, "b": False}),
+  }[layout]()
+  dtype = jnp.float32 if layout == "float32" else jnp.bfloat16
+  params = {"w": jnp.ones(3, dtype), "b": jnp.full(2, 0.5, jnp.float32)}
+  state = tx.init(params)
+  grads = {"w": jnp.full(3, 2.0**-12, dtype), "b": jnp.full(2, 0.25, jnp.float32)}
+  for _ in range(3):  # each step is below half a bfloat16 ulp of 1
+    updates, state = tx.update(grads, state, params)
+    params = mpx.apply_updates(params, updates, state)
+  got = mpx.get_master_params(state, params)
+  chex.assert_trees_all_equal_dtypes(got, {"w": jnp.ones(3), "b": jnp.ones(2)})
+  np.testing.assert_array_equal(got["b"], params["b"])
+  if layout == "stochastic":  # its params are the weights
+    np.testing.assert_array_equal(got["w"], params["w"].astype(jnp.float32))
+  else:  # the float32 weight: 1 - 3 * 2**-12, which bfloat16 params alone cannot hold
+    np.testing.assert_array_equal(got["w"], np.full(3, 1 - 3 * 2.0**-12, np.float32))

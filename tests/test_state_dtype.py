@@ -200,3 +200,21 @@ def test_bad_state_dtype():
     mpx.with_state_dtype(optax.adam(1e-3), state_dtype="bfloat17")
   with pytest.raises(mpx.PolicyError, match="not a dtype a precision policy can use"):
     mpx.with_state_dtype(optax.adam(1e-3), state_dtype=jnp.int8)
+
+
+def test_multisteps_accumulator_stays_float32():
+  k = 8
+  tx = mpx.with_state_dtype(
+    standard_promotion(optax.MultiSteps(optax.sgd(1.0, momentum=0.9), k)), state_dtype=jnp.bfloat16
+  )
+  params = {"w": jnp.zeros(256)}
+  state = tx.init(params)
+  assert state.acc_grads["w"].dtype == jnp.float32  # an accumulator, not a moment
+  assert state.inner_opt_state[0].trace["w"].dtype == jnp.bfloat16  # a moment
+  grads = jax.random.normal(jax.random.key(0), (k, 256)) * (1 + jnp.arange(256) / 7)
+  update = jax.jit(tx.update)
+  for i in range(k):
+    updates, state = update({"w": grads[i]}, state, params)
+  assert state.acc_grads["w"].dtype == jnp.float32
+  want = -np.mean(np.asarray(grads, np.float64), axis=0)  # sgd(1.0): minus the mean
+  np.testing.assert_allclose(np.asarray(updates["w"]), want, rtol=1e-5, atol=1e-6)

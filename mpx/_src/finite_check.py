@@ -90,14 +90,14 @@ def finite_after_unscale(
       ``None``.
 
   Returns:
-    ``(ok, leaf)``: a bool scalar, ``True`` for a tree without leaves; and an
+    ``(ok, leaf)``: a bool scalar, ``True`` for a tree without elements; and an
     int32 scalar, the index (into ``jax.tree.leaves(grads)``) of the first
     leaf with a non-finite unscaled element, ``-1`` when ``ok``. Under
     ``axis_name`` both are global: the step is skipped everywhere, and the
     leaf is the smallest index any member saw.
   """
   leaves = jax.tree.leaves(grads)
-  if not leaves:
+  if not any(g.size for g in leaves):  # no element, nothing that can be non-finite
     return jnp.asarray(True), jnp.asarray(-1, jnp.int32)
   inv = 1 / scale
   rows = []

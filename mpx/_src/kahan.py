@@ -151,7 +151,7 @@ def with_kahan_summation(
       lambda p: jnp.zeros_like(p) if compensated_lib.is_compensated(p) else None, params
     )
     weights = compensated_lib.float32_weights(params, compensation)
-    inner_state = master_params_lib.follow_param_shardings(inner.init(weights), weights)
+    inner_state = tree_lib.place_state(inner.init(weights), weights)
     return KahanState(compensation, inner_state)
 
   def update_fn(

@@ -130,6 +130,80 @@ def _warn_without_masters(params: Any, inner_state: Any) -> None:
   )
 
 
+def _computed_from(outputs: list[Any], sources: list[Any]) -> bool | None:
+  """Whether a traced output was computed from one of ``sources``, in the trace being built.
+
+  Walks the equations recorded so far backwards from ``outputs`` (each
+  ``jit`` tracer knows the equation that made it). Every input of an
+  equation counts as a dependency, so the answer errs toward ``True``.
+
+  Returns:
+    ``None`` when it cannot tell: an output is not a tracer of the current
+    ``jit`` trace (eager values, ``vmap``), or JAX records tracers otherwise.
+  """
+  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+  if not outputs or not all(isinstance(x, tracer) and hasattr(x, "parent") for x in outputs):
+    return None
+  wanted = {id(x) for x in sources}
+  seen: set[int] = set()
+  stack = list(outputs)
+  while stack:
+    x = stack.pop()
+    if id(x) in seen:
+      continue
+    seen.add(id(x))
+    if id(x) in wanted:
+      return True
+    parent = getattr(x, "parent", None)
+    if parent is None:
+      continue
+    inputs = getattr(parent, "in_tracers", None)
+    if inputs is None:
+      return None
+    stack.extend(inputs)
+  return False
+
+
+_warned_unscaled = False
+
+
+def _warn_if_unscaled(grads: Any, params: Any, loss_scale: Any) -> None:
+  """Warns once when the gradients were differentiated without the loss scale.
+
+  A train step that keeps ``jax.value_and_grad`` under a loss scale hands
+  true gradients to ``update``, which divides them by the scale (2**15):
+  SGD then barely moves, silently. The check runs while ``update`` is traced
+  together with the gradient computation (one ``jit``): it warns when the
+  gradients were computed from ``params`` but not from the state's loss
+  scale, which every scaled loss multiplies by (:func:`mpx.value_and_grad`,
+  :func:`mpx.scale`, or by hand, ``loss * opt_state.loss_scale``). A
+  dependency test, not a magnitude test, so gradients that are legitimately
+  tiny or huge never trigger it. It stays silent when it cannot tell:
+  gradients passed into the traced function, an eager ``update``, other
+  tracers than ``jit``'s, or an inner ``update`` (under ``MultiSteps``) that
+  sees the accumulated mean rather than the params' gradients.
+  """
+  global _warned_unscaled
+  if _warned_unscaled or params is None:
+    return
+  grads_leaves, param_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
+  if _computed_from(grads_leaves, param_leaves) is not True:
+    return
+  if _computed_from(grads_leaves, [loss_scale]) is not False:
+    return
+  _warned_unscaled = True
+  warnings.warn(
+    "The gradients passed to the loss-scaling update were computed from the params but not "
+    "from the loss scale: the loss was differentiated unscaled (jax.value_and_grad or "
+    "jax.grad), so update divides true gradients by the scale and SGD-like optimizers barely "
+    "move. Differentiate with mpx.value_and_grad(loss_fn, opt_state) instead of "
+    "jax.value_and_grad(loss_fn); in a hand-written step, differentiate "
+    "mpx.scale(loss, opt_state). This warning is shown once.",
+    errors.PrecisionWarning,
+    stacklevel=3,
+  )
+
+
 def _loss_scaling(
   inner: optax.GradientTransformation, rule: scale_rules.Rule, *, axis_name: Any = None
 ) -> optax.GradientTransformationExtraArgs:
@@ -141,7 +215,7 @@ def _loss_scaling(
     _warn_without_masters(params, inner_state)
     growth, hysteresis = rule.initial_trackers
     # One array per field: a buffer shared by two leaves cannot be donated.
-    return LossScaleState(
+    state = LossScaleState(
       loss_scale=jnp.asarray(rule.initial_scale, jnp.float32),
       growth_tracker=jnp.asarray(growth, jnp.int32),
       hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
@@ -152,6 +226,7 @@ def _loss_scaling(
       nonfinite_leaf=jnp.full((), -1, jnp.int32),
       inner_state=inner_state,
     )
+    return tree_lib.place_state(state, params)
 
   def update_fn(
     updates: optax.Updates,
@@ -159,12 +234,14 @@ def _loss_scaling(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, LossScaleState]:
+    tree_lib.check_state_type(state, LossScaleState, "the loss-scaling transformation")
     state = cast(LossScaleState, state)
     _check_grads(updates, params)
     if rule.kind == "none":  # a scale of 1: nothing to unscale, check or skip
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
 
+    _warn_if_unscaled(updates, params, state.loss_scale)
     ok, leaf = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
     grads = multiply(updates, 1 / state.loss_scale)
     new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
@@ -294,17 +371,31 @@ def dynamic_loss_scale(
 
   Order with ``optax.MultiSteps``: put loss scaling *outside*,
   ``dynamic_loss_scale(optax.MultiSteps(inner, k))``. Each mini-batch is then
-  unscaled and checked before it enters the float32 accumulator, so a
-  non-finite mini-batch costs one mini-step (the accumulator and mini-step
-  counter stay untouched) and what is eventually applied is the mean of
-  checked, true gradients (``MultiSteps`` averages its mini-batches); the
-  scale may change inside a window, which is harmless because every
-  mini-batch is divided by the scale it was computed with. The other order,
-  ``MultiSteps(dynamic_loss_scale(inner), k)``, also works: the scale is
-  constant within a window and the check covers the accumulated mean, but the
-  *scaled* gradients are accumulated in their own dtype (a float16 running
-  mean can overflow), one bad mini-batch discards the whole window, and the scale
-  adapts ``k`` times more slowly.
+  unscaled and checked before it enters the accumulator, so a non-finite
+  mini-batch costs one mini-step (the accumulator and mini-step counter stay
+  untouched). ``MultiSteps`` does not sum its mini-batches: with its default
+  ``use_grad_mean=True`` it keeps the running mean ``acc + (g - acc) / (n +
+  1)`` of the ``n + 1`` mini-batches so far and hands ``inner`` that mean of
+  checked, true gradients (``use_grad_mean=False`` sums instead). Its
+  accumulator has the dtype of the params it was initialised with (the
+  float32 masters under :func:`mpx.mixed_precision`) unless its
+  ``accumulator_dtype`` says otherwise. The scale may change inside a window,
+  which is harmless because every mini-batch is divided by the scale it was
+  computed with. The other order, ``MultiSteps(dynamic_loss_scale(inner),
+  k)``, also works: the scale is constant within a window and the check
+  covers the accumulated mean, but the *scaled* gradients are accumulated
+  (in float16 for float16 params, where a running mean of values near the
+  scale can overflow), one bad mini-batch discards the whole window, and the
+  scale adapts ``k`` times more slowly.
+
+  A forgotten :func:`mpx.value_and_grad` (gradients of the unscaled loss)
+  trains SGD not at all, as the true gradients get divided by the scale. When
+  ``update`` is traced in one ``jit`` with the gradient computation, it checks
+  that the gradients depend on the state's ``loss_scale`` whenever they depend
+  on ``params``, and warns once (a ``PrecisionWarning``) if not. The check is
+  on the traced computation, not on magnitudes, so it cannot mistake small
+  true gradients for unscaled ones; it is silent where it cannot see the
+  gradient computation (gradients passed into the ``jit``, eager calls).
 
   Every hyperparameter must be known when the transformation is built: a
   Python number or a concrete 0-d array such as ``jnp.float32(2**15)``, not a
@@ -329,6 +420,10 @@ def dynamic_loss_scale(
 
   Raises:
     ConfigError: an unknown preset, or a traced or out-of-range hyperparameter.
+
+  Warns:
+    PrecisionWarning: once, when ``update`` is traced with gradients that
+      were not differentiated through the loss scale (see above).
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx

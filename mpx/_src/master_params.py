@@ -150,34 +150,6 @@ def update_toward(target: jax.Array, param: jax.Array, wide_dtype: np.dtype) -> 
   return diff.astype(param.dtype)
 
 
-def follow_param_shardings(inner_state: optax.OptState, inner_params: optax.Params) -> Any:
-  """Places every param-shaped moment on its param's sharding (eager init only).
-
-  optax creates moments with ``jnp.zeros_like``, which does not keep the
-  param's sharding; under ``jit`` the shardings are not known while tracing,
-  so there the caller passes ``out_shardings`` instead.
-  """
-  leaves = jax.tree.leaves(inner_params)
-  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-  if not leaves or not all(isinstance(p, jax.Array) and not isinstance(p, tracer) for p in leaves):
-    return inner_state
-  structure = jax.tree.structure(inner_params)
-
-  def is_param_like(node: Any) -> bool:
-    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
-
-  def place(s: Any, p: jax.Array) -> Any:
-    if isinstance(s, jax.Array) and s.shape == p.shape:
-      return jax.device_put(s, p.sharding)
-    return s
-
-  return jax.tree.map(
-    lambda node: jax.tree.map(place, node, inner_params) if is_param_like(node) else node,
-    inner_state,
-    is_leaf=is_param_like,
-  )
-
-
 def with_master_params(
   inner: optax.GradientTransformation,
   *,
@@ -264,7 +236,7 @@ def with_master_params(
     inner_params = jax.tree.map(
       lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
     )
-    inner_state = follow_param_shardings(inner.init(inner_params), inner_params)
+    inner_state = tree_lib.place_state(inner.init(inner_params), inner_params)
     return MasterParamsState(masters, inner_state)
 
   def update_fn(
@@ -278,6 +250,7 @@ def with_master_params(
         "mpx.with_master_params needs the current params to return exact updates, but "
         "update was called without them. Call tx.update(grads, opt_state, params)."
       )
+    tree_lib.check_state_type(state, MasterParamsState, "mpx.with_master_params")
     tree_lib.check_same_structure(updates, params, names=("gradients", "params"))
     check_masters(state.master_params, params, master_dtype)
     masters = state.master_params
@@ -371,7 +344,9 @@ def apply_updates(
   masters in ``opt_state`` (float32 params, or half params whose updates
   ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` compensate)
   it is ``optax.apply_updates``, so it is the one call that fits every
-  policy. It reads the masters that ``update`` wrote and checked; nothing is
+  policy. The masters are found anywhere in ``opt_state``, also inside
+  ``optax.masked`` or ``optax.multi_transform``: the params another part of
+  the optimizer updates have no master there and get ``param + update``. It reads the masters that ``update`` wrote and checked; nothing is
   validated twice.
 
   Args:
@@ -388,13 +363,19 @@ def apply_updates(
   masters = find_master_params(opt_state)
   if masters is None:
     return optax.apply_updates(params, updates)
+
+  # Under optax.masked or multi_transform the masters hold a MaskedNode for
+  # every param another part of the optimizer updates: those have no master.
+  def no_master(m: Any) -> bool:
+    return m is None or isinstance(m, optax.MaskedNode)
+
   try:
     return jax.tree.map(
-      lambda m, p, u: optax.apply_updates(p, u) if m is None else m.astype(p.dtype),
+      lambda m, p, u: optax.apply_updates(p, u) if no_master(m) else m.astype(p.dtype),
       masters,
       params,
       updates,
-      is_leaf=_is_none,
+      is_leaf=no_master,
     )
   except ValueError as e:
     raise errors.StateError(

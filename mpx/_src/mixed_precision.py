@@ -14,7 +14,7 @@ import numpy as np
 import optax
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors, loss_scaling, scale_rules
+from mpx._src import errors, finite_check, loss_scaling, scale_rules
 from mpx._src import kahan as kahan_lib
 from mpx._src import master_params as master_params_lib
 from mpx._src import policy as policy_lib
@@ -154,7 +154,11 @@ def mixed_precision(
 
   Warns:
     PrecisionWarning: at ``init``, when a param is narrower than the policy's
-      param dtype, or when half-precision params meet ``master_dtype=None``.
+      param dtype, when half-precision params meet ``master_dtype=None``, or
+      when a float16 policy meets ``loss_scale=None``; at the first traced
+      ``update`` whose gradients were not differentiated with the loss scale
+      (``jax.value_and_grad`` instead of :func:`mpx.value_and_grad`; see
+      :func:`mpx.dynamic_loss_scale`).
 
   Example:
     >>> import jax.numpy as jnp, optax, mpx
@@ -175,11 +179,35 @@ def mixed_precision(
 
   def init_fn(params: optax.Params) -> optax.OptState:
     _warn_on_narrow_params(params, policy)
+    if loss_scale is None and _F16 in (policy.compute_dtype, policy.param_dtype):
+      warnings.warn(
+        f"mpx.mixed_precision(..., loss_scale=None) with the float16 policy {policy}: float16 "
+        "gradients below 2**-24 flush to zero and small activation gradients are lost, so "
+        "training degrades without a word (paper section 3.2). Keep the default "
+        "loss_scale='dynamic' (with mpx.value_and_grad in the train step), or train in "
+        "bfloat16, whose range needs no loss scaling.",
+        errors.PrecisionWarning,
+        stacklevel=2,
+      )
     state = tx.init(params)
     master_params_lib.find_half_params_state(state)  # masters around a compensated inner: raise
     return state
 
   return optax.GradientTransformationExtraArgs(init_fn, tx.update)
+
+
+def _check_typed(opt_state: optax.OptState) -> None:
+  """Raises if ``opt_state`` lost its state types (an orbax restore without a target)."""
+  if tree_lib.find_nodes(opt_state, loss_scaling.LossScaleState):
+    return
+  for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+    names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    if "loss_scale" in names:
+      raise errors.StateError(
+        f"The optimizer state holds a plain {tree_lib.path_str(path)!r} entry instead of an "
+        "mpx.LossScaleState: it was restored without a target, and neither mpx nor optax can "
+        f"use it. {tree_lib.RESTORE_ADVICE}"
+      )
 
 
 def check_state(
@@ -214,7 +242,9 @@ def check_state(
     ``None`` when the state fits the policy.
 
   Raises:
-    StateError: a floating param narrower than the policy's param dtype;
+    StateError: the state was restored without a target (dicts and lists
+      instead of the state types); a floating param narrower than the policy's
+      param dtype;
       half-precision params in the policy but none in ``params``; masters
       missing, superfluous or of the wrong shape or dtype; compensation
       buffers or rounding keys missing or not fitting the params, or present
@@ -242,6 +272,7 @@ def check_state(
       "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
       "checkpoint's policy."
     )
+  _check_typed(opt_state)
   keeper = master_params_lib.find_half_params_state(opt_state)
   if isinstance(keeper, kahan_lib.KahanState | rounding_lib.StochasticRoundingState):
     if master_dtype is not None:
@@ -267,3 +298,74 @@ def check_state(
     master_params_lib.check_masters(keeper.master_params, params, expected)
   if state_dtype is not None:
     state_dtype_lib.check_state_dtype(opt_state, state_dtype)
+
+
+def get_master_params(opt_state: optax.OptState, params: optax.Params) -> optax.Params:
+  """Returns the weights the optimizer trains, at least float32: the masters where there are any.
+
+  The one call that reads the high-precision weights in every layout (for
+  evaluation, export, or an EMA of the weights), leaf by leaf:
+
+  * a param with a float32 master (layout (b), :func:`mpx.with_master_params`
+    anywhere in ``opt_state``, also under ``optax.masked`` or
+    ``optax.multi_transform``): the master itself;
+  * a param compensated by :func:`mpx.with_kahan_summation`: the compensated
+    weight ``float32(p) + float32(c)``, which the param dtype alone rounds;
+  * every other floating param (float32 params of layout (a), params without
+    masters, under :func:`mpx.with_stochastic_rounding` whose params are the
+    weights): the param converted to float32 (float64 stays float64);
+  * non-floating leaves: returned as they are.
+
+  Args:
+    opt_state: the optimizer state, e.g. that of :func:`mpx.mixed_precision`
+      (the one ``update`` returned with the updates ``params`` received).
+    params: the params that state belongs to.
+
+  Returns:
+    A tree with the structure of ``params``.
+
+  Raises:
+    StateError: ``opt_state`` holds more than one masters or compensation
+      state, or its masters do not have the structure of ``params``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax, mpx
+    >>> tx = mpx.mixed_precision(optax.sgd(1.0), "float16", loss_scale=1.0)
+    >>> params = {"w": jnp.ones(2, jnp.float16), "b": jnp.zeros(2, jnp.float32)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.full(2, 1e-4, jnp.float16), "b": jnp.ones(2, jnp.float32)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = mpx.apply_updates(params, updates, state)
+    >>> params["w"], mpx.get_master_params(state, params)["w"]  # the master keeps the step
+    (Array([1., 1.], dtype=float16), Array([0.9999, 0.9999], dtype=float32))
+  """
+  keeper = master_params_lib.find_half_params_state(opt_state)
+  if isinstance(keeper, kahan_lib.KahanState):
+    stored = keeper.compensation
+  else:
+    stored = None if keeper is None else keeper.master_params
+
+  def absent(x: Any) -> bool:
+    return x is None or isinstance(x, optax.MaskedNode)
+
+  def wide(p: Any) -> Any:
+    if not tree_lib.is_floating_array(p):
+      return p
+    return p.astype(finite_check.unscaled_dtype(np.dtype(p.dtype)))
+
+  def one(s: Any, p: Any) -> Any:
+    if absent(s):
+      return wide(p)
+    if isinstance(keeper, kahan_lib.KahanState):
+      return wide(p) + s.astype(wide(p).dtype)
+    return s
+
+  if stored is None:
+    return jax.tree.map(wide, params)
+  try:
+    return jax.tree.map(one, stored, params, is_leaf=absent)
+  except ValueError as e:
+    raise errors.StateError(
+      f"The optimizer state's masters or compensation buffers do not have the tree structure "
+      f"of the params ({e}). Pass the params this optimizer state belongs to."
+    ) from None

@@ -184,7 +184,7 @@ def check_loss_scale(opt_state: Any) -> None:
       "itself produces inf or NaN. Look for NaN in the data, lower the learning rate, keep "
       "numerically sensitive ops (softmax, norms, losses) in float32, or train in bfloat16. "
       "To continue anyway, reset the flag with "
-      "optax.tree_utils.tree_set(opt_state, diverged=False)."
+      "optax.tree_utils.tree_set(opt_state, diverged=jnp.asarray(False))."
     )
 
 

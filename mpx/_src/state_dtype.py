@@ -19,12 +19,35 @@ def _is_moment(leaf: Any) -> bool:
   return tree_lib.is_floating_array(leaf) and leaf.ndim > 0
 
 
+def _is_accumulating(x: Any) -> bool:
+  return isinstance(x, optax.MultiStepsState)
+
+
+def _map_moments(fn: Any, state: optax.OptState) -> optax.OptState:
+  """Applies ``fn`` to every moment of ``state``, leaving other leaves as they are.
+
+  ``optax.MultiSteps``' ``acc_grads`` is a running mean of gradients, not a
+  moment: narrowing it rounds every micro-batch's contribution, which costs
+  about ``k`` roundings per applied step. Only the inner optimizer's state of
+  a ``MultiStepsState`` is searched.
+  """
+
+  def one(x: Any) -> Any:
+    if _is_accumulating(x):
+      return x._replace(inner_opt_state=_map_moments(fn, x.inner_opt_state))
+    return fn(x) if _is_moment(x) else x
+
+  return jax.tree.map(one, state, is_leaf=_is_accumulating)
+
+
 def find_moments(opt_state: optax.OptState) -> list[tuple[str, Any]]:
   """Returns the optimizer moments of ``opt_state``: its floating leaves of rank 1 or more.
 
   The masters of ``mpx.with_master_params`` and the buffers of
   ``mpx.with_kahan_summation`` are weights, not moments, and are skipped: of
-  such a state only its ``inner_state`` is searched.
+  such a state only its ``inner_state`` is searched. ``optax.MultiSteps``'
+  gradient accumulator is not a moment either: of its state only
+  ``inner_opt_state`` is searched.
 
   Args:
     opt_state: any optimizer state.
@@ -34,14 +57,15 @@ def find_moments(opt_state: optax.OptState) -> list[tuple[str, Any]]:
     ``tree.path_str``.
   """
 
-  def is_keeper(x: Any) -> bool:
-    return isinstance(x, master_params_lib.HalfParamsState)
+  def is_wrapper(x: Any) -> bool:
+    return isinstance(x, master_params_lib.HalfParamsState) or _is_accumulating(x)
 
   found = []
-  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_keeper)[0]:
-    if is_keeper(leaf):
-      inner = find_moments(leaf.inner_state)
-      prefix = tree_lib.path_str((*path, jax.tree_util.GetAttrKey("inner_state")))
+  for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_wrapper)[0]:
+    if is_wrapper(leaf):
+      field = "inner_opt_state" if _is_accumulating(leaf) else "inner_state"
+      inner = find_moments(getattr(leaf, field))
+      prefix = tree_lib.path_str((*path, jax.tree_util.GetAttrKey(field)))
       found += [(f"{prefix}/{p}" if p != "<root>" else prefix, x) for p, x in inner]
     elif _is_moment(leaf):
       found.append((tree_lib.path_str(path), leaf))
@@ -80,7 +104,14 @@ def with_state_dtype(
 
   A moment is a floating leaf of rank 1 or more of the inner state (adam's
   ``mu`` and ``nu``, a momentum ``trace``, adafactor's factors); scalars such
-  as injected hyperparameters and integer counts keep their dtypes. Each step
+  as injected hyperparameters and integer counts keep their dtypes, and so
+  does ``optax.MultiSteps``' gradient accumulator ``acc_grads``: a running
+  mean of ``k`` micro-batches, stored narrow it would be rounded ``k`` times
+  per applied step (about ``k`` times the error of one rounding), so
+  ``with_state_dtype(optax.MultiSteps(inner, k), ...)`` narrows the moments of
+  ``inner`` only, like ``optax.MultiSteps(with_state_dtype(inner, ...), k)``
+  (ask for a narrow accumulator with ``MultiSteps``' own
+  ``accumulator_dtype``). Each step
 
   .. math::
 
@@ -143,11 +174,11 @@ def with_state_dtype(
   inner = optax.with_extra_args_support(inner)
 
   def cast(state: optax.OptState, dtype: np.dtype) -> optax.OptState:
-    return jax.tree.map(lambda x: x.astype(dtype) if _is_moment(x) else x, state)
+    return _map_moments(lambda x: x.astype(dtype), state)
 
   def init_fn(params: optax.Params) -> optax.OptState:
     state = cast(inner.init(params), state_dtype)
-    return master_params_lib.follow_param_shardings(state, params)
+    return tree_lib.place_state(state, params)
 
   def update_fn(
     updates: optax.Updates,

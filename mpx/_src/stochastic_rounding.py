@@ -178,7 +178,7 @@ def with_stochastic_rounding(
       ]
     )
     weights = compensated_lib.float32_weights(params, keys)
-    inner_state = master_params_lib.follow_param_shardings(inner.init(weights), weights)
+    inner_state = tree_lib.place_state(inner.init(weights), weights)
     return StochasticRoundingState(keys, jnp.zeros((), jnp.int32), inner_state)
 
   def update_fn(

@@ -63,6 +63,75 @@ def is_floating_array(x: Any) -> bool:
   return is_array(x) and dtypes.is_floating(x.dtype)
 
 
+def _replicated_like(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return sharding
+  if isinstance(sharding, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
+def place_state(state: PyTree, params: PyTree) -> PyTree:
+  """Places a freshly built optimizer state where a jitted train step will return it.
+
+  ``jit`` keys its executables on whether each argument is committed to a
+  device: outputs always are, arrays made eagerly by ``jnp.zeros`` are not. A
+  state with committed and uncommitted leaves side by side (moments placed
+  on their params' shardings, counters not) therefore compiles the step
+  once for ``init``'s state and again for the state ``update`` returned. The
+  placement follows the params, so one rule serves every case:
+
+  * uncommitted params (``model.init`` outside ``jit``): nothing is placed,
+    and every leaf stays uncommitted like them;
+  * committed params: each moment shaped like its param (a node of the
+    params' structure) gets its param's sharding, and every other
+    uncommitted leaf (counts, loss scales) is committed, replicated, to the
+    params' devices, as the step's outputs will be.
+
+  Under ``jit`` or ``eval_shape`` (traced params) the state is returned as it
+  is: the caller's ``out_shardings`` place it.
+
+  Args:
+    state: the state built by a transformation's ``init``.
+    params: the params it was built for (masters, for an inner state).
+
+  Returns:
+    ``state`` with the placement described above.
+  """
+  leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
+  if not leaves or any(isinstance(p, tracer) for p in leaves):
+    return state
+  if not any(p.committed for p in leaves):
+    return state
+  structure = jax.tree.structure(params)
+  replicated = _replicated_like(leaves[0].sharding)
+
+  def is_param_like(node: Any) -> bool:
+    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
+
+  def place_moment(s: Any, p: Any) -> Any:
+    moment = isinstance(s, jax.Array) and isinstance(p, jax.Array) and s.shape == p.shape
+    if not moment or not p.committed:
+      return place_other(s)
+    return s if s.committed and s.sharding == p.sharding else jax.device_put(s, p.sharding)
+
+  def place_other(s: Any) -> Any:
+    if isinstance(s, jax.Array) and not isinstance(s, tracer) and not s.committed:
+      return s if replicated is None else jax.device_put(s, replicated)
+    return s
+
+  return jax.tree.map(
+    lambda node: (
+      jax.tree.map(place_moment, node, params)
+      if is_param_like(node)
+      else jax.tree.map(place_other, node)
+    ),
+    state,
+    is_leaf=is_param_like,
+  )
+
+
 def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:
   """Returns every node of type ``cls`` in ``tree``, nested ones included.
 
@@ -112,9 +181,11 @@ def check_floating_leaves(tree: PyTree, *, what: str) -> None:
     kind = f"dtype {leaf.dtype}" if is_array(leaf) else f"type {type(leaf).__name__}"
     raise errors.LeafTypeError(
       f"{what} leaf {path_str(path)!r} has {kind}, but every leaf of the {what} "
-      "must be a floating-point array. Differentiate only with respect to floating "
-      "parameters (keep integer state such as step counters or batch statistics out of "
-      "the differentiated tree), or set non-differentiable leaves to None."
+      "must be a floating-point array. Keep non-floating state (step counters, integer "
+      "buffers, RNG keys) out of the tree you differentiate and pass to tx.init and "
+      "tx.update: hold it in a separate argument or Flax collection, e.g. "
+      "model.apply({'params': params, 'counters': counters}, x), so that the params, their "
+      "gradients and the optimizer state hold floating leaves only."
     )
 
 
@@ -186,3 +257,35 @@ def check_same_shapes(a: PyTree, b: PyTree, *, names: tuple[str, str]) -> None:
       f"the shape of its leaf in the {names[1]}. Pass the {names[1]} the {names[0]} were "
       "computed from."
     )
+
+
+RESTORE_ADVICE = (
+  "A checkpoint restored without a target comes back as dicts and lists, which lose the state "
+  "types: restore with a target built by tx.init, e.g. "
+  "ckpt.restore(path, target=jax.eval_shape(tx.init, params)) (orbax's target=/item= argument)."
+)
+
+
+def check_state_type(state: Any, cls: type, owner: str) -> None:
+  """Raises unless ``state`` is a ``cls``, the state ``owner``'s ``init`` builds.
+
+  Args:
+    state: what ``update`` was given.
+    cls: the state class, e.g. :class:`LossScaleState`.
+    owner: the transformation's name, for the message.
+
+  Raises:
+    StateError: saying what was given instead, and how to get the right state.
+  """
+  if isinstance(state, cls):
+    return
+  fields = set(getattr(cls, "_fields", ()))
+  if isinstance(state, dict) and fields and fields <= set(state):
+    cause = f"a dict with the fields of {cls.__name__}. {RESTORE_ADVICE}"
+  else:
+    cause = (
+      f"a {type(state).__name__}, which its init did not make (the state of another "
+      "optimizer, or one part of a chain's state). Pass the state that this transformation's "
+      "init or update returned, the whole of it."
+    )
+  raise errors.StateError(f"The update of {owner} needs its {cls.__name__}, but got {cause}")

@@ -179,11 +179,6 @@ def _round_params(result: Any, param_dtypes: dict[tuple[str, ...], np.dtype]) ->
   return jax.tree_util.tree_map_with_path(round_leaf, result)
 
 
-def _parent(module: nn.Module) -> nn.Module | None:
-  parent = module.parent
-  return parent if isinstance(parent, nn.Module) else None
-
-
 def _path(module: nn.Module) -> str:
   return layer_policy.join_path(module.path)
 
@@ -256,21 +251,37 @@ class PolicyModel:
     return getattr(self.module, name)
 
   def _run(self, fn: Any, args: Any, kwargs: Any, *, initializing: bool = False) -> Any:
+    # The first layer seen at each path in this call. The layers Flax builds inside a
+    # lifted transform (nn.scan, nn.remat, nn.jit, nn.vmap) have a Scope for parent;
+    # the layer that encloses them is the one at the longest shorter path, which is
+    # running the transform and so was seen first.
+    at_path: dict[tuple[str, ...], nn.Module] = {}
+
+    def parent_of(module: nn.Module) -> nn.Module | None:
+      if isinstance(module.parent, nn.Module):
+        return module.parent
+      path = tuple(module.path)
+      prefixes = (path[:n] for n in range(len(path) - 1, -1, -1))
+      return next((at_path[p] for p in prefixes if p in at_path), None)
+
     layers = layer_policy.LayerPolicies(
       self.policy,
       self.rules,
       norm_classes=DEFAULT_KEEP_CLASSES,
-      parent_of=_parent,
+      parent_of=parent_of,
       path_of=_path,
       lean_norm_kinds=_LEAN_NORM_KINDS,
     )
     param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-    depth: dict[int, int] = {}  # casting calls in progress, per configured layer
+    # Casting calls in progress per configured copy, keyed by id: the copies stay
+    # referenced here until the call ends, so no later copy can reuse an id.
+    depth: dict[int, tuple[nn.Module, int]] = {}
 
     def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
       module = context.module
       key = id(module)
       if key not in depth:
+        at_path.setdefault(tuple(module.path), module)
         policy = layers.policy_at(module)
         param_dtypes[tuple(module.path)] = policy.param_dtype
         fields = {f.name for f in dataclasses.fields(module)}
@@ -285,7 +296,7 @@ class PolicyModel:
         )
         if policy.fp8 is not None:
           _configure_fp8(module, policy.fp8, fields)
-        depth[key] = 0
+        depth[key] = (module, 0)
       # Only the outermost method call of a layer casts (a method calling
       # another of the same layer stays inside it), and setup never does.
       recipe = layers.policy_at(module).fp8
@@ -293,7 +304,7 @@ class PolicyModel:
         # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
         next_fun = functools.partial(_fp8_einsum_call, module, recipe)
       boundary = layers.boundary(module)
-      if boundary is None or context.method_name == "setup" or depth[key]:
+      if boundary is None or context.method_name == "setup" or depth[key][1]:
         return next_fun(*f_args, **f_kwargs)
       inner, outer = boundary
       kind = layers.lean_norm(module)
@@ -302,11 +313,11 @@ class PolicyModel:
         if out is not None:
           return out
       f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
-      depth[key] += 1
+      depth[key] = (module, 1)
       try:
         out = next_fun(*f_args, **f_kwargs)
       finally:
-        depth[key] -= 1
+        depth[key] = (module, 0)
       return casting.cast_tree(out, outer)
 
     with nn.intercept_methods(interceptor):

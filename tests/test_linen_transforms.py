@@ -1,0 +1,161 @@
+"""mpx.linen.apply_policy on layers inside Flax's lifted transforms (scan, remat, jit, vmap).
+
+Flax builds the layers inside a lifted transform as copies whose parent is a
+``Scope``, not the enclosing module; the policy must still see them where
+they sit in the model: keep rules on an enclosing layer reach them, and they
+hand their outputs on in the compute dtype, not the model's output dtype.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mpx
+
+PRESETS = ("float32", "mixed_bfloat16", "mixed_float16", "mixed_float8", "mixed_float8_delayed")
+FEATURES = 8
+LAYERS = 2
+STACKED = {"params": 0, mpx.linen.FP8_COLLECTION: 0}
+
+
+class Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(FEATURES)(nn.LayerNorm()(x))
+
+
+class ScanBody(nn.Module):
+  """One scan iteration: a block, itself rematerialised or jitted when asked."""
+
+  inner: str = "plain"
+
+  @nn.compact
+  def __call__(self, x, _):
+    block = {"plain": Block, "remat": nn.remat(Block), "jit": nn.jit(Block)}[self.inner]
+    return block(name="block")(x), None
+
+
+class VmapBody(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return nn.jit(Block)(name="block")(x)
+
+
+def _scan(inner: str, **axes):
+  axes = axes or {"variable_axes": STACKED}
+  scan = nn.scan(ScanBody, split_rngs={"params": True}, length=LAYERS, **axes)
+  return lambda: scan(inner, name="blocks")
+
+
+def _vmap(body):
+  return lambda: nn.vmap(
+    body, variable_axes=STACKED, split_rngs={"params": True}, in_axes=1, out_axes=1
+  )(name="blocks")
+
+
+def _wrapped(transform):
+  return lambda: transform(Block)(name="blocks")
+
+
+TRANSFORMS = {
+  "scan": _scan("plain"),
+  "remat": _wrapped(nn.remat),
+  "checkpoint": _wrapped(nn.checkpoint),
+  "jit": _wrapped(nn.jit),
+  "vmap": _vmap(Block),
+  "scan_over_remat": _scan("remat"),
+  "scan_over_jit": _scan("jit"),
+  "vmap_over_jit": _vmap(VmapBody),
+}
+
+
+class Stack(nn.Module):
+  """The transformed blocks."""
+
+  transform: str
+
+  @nn.compact
+  def __call__(self, x):
+    blocks = TRANSFORMS[self.transform]()
+    return blocks(x, None)[0] if self.transform.startswith("scan") else blocks(x)
+
+
+class Model(nn.Module):
+  """Dense in, the stack of transformed blocks, Dense out."""
+
+  transform: str
+
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(FEATURES, name="embed")(x)
+    x = Stack(self.transform, name="stack")(x)
+    return nn.Dense(FEATURES, name="head")(x)
+
+
+def _outputs(fn, *args):
+  """Runs ``fn`` abstractly; returns ``{module path: [dtypes of its outputs]}`` of every call."""
+  seen: dict[str, list[np.dtype]] = {}
+
+  def record(next_fun, args, kwargs, context):
+    out = next_fun(*args, **kwargs)
+    if context.method_name == "__call__" and isinstance(out, jax.Array | jax.ShapeDtypeStruct):
+      seen.setdefault("/".join(context.module.path), []).append(np.dtype(out.dtype))
+    return out
+
+  with nn.intercept_methods(record):
+    result = jax.eval_shape(fn, *args)
+  return result, seen
+
+
+def _x():
+  return jnp.ones((4, 3, FEATURES), jnp.float32)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_layers_inside_lifted_transforms_hand_on_the_compute_dtype(transform, preset):
+  policy = mpx.get_policy(preset)
+  model = mpx.linen.apply_policy(Model(transform), policy)
+  variables, _ = _outputs(model.init, jax.random.key(0), _x())
+  out, seen = _outputs(model.apply, variables, _x())
+  assert out.dtype == policy.output_dtype
+  inner = {path: dtypes for path, dtypes in seen.items() if path.startswith("stack/blocks")}
+  assert any(path.endswith("Dense_0") for path in inner), sorted(seen)
+  compute = np.dtype(policy.compute_dtype)
+  for path, dtypes in seen.items():
+    if path:  # every layer but the model hands on its output in the compute dtype
+      assert set(dtypes) == {compute}, (path, dtypes)
+  kernels = [
+    leaf
+    for path, leaf in jax.tree_util.tree_leaves_with_path(variables["params"])
+    if "kernel" in jax.tree_util.keystr(path)
+  ]
+  assert {leaf.dtype for leaf in kernels} == {np.dtype(policy.param_dtype)}
+
+
+def _block_path(transform: str) -> str:
+  return "stack/blocks/block" if transform.startswith(("scan", "vmap_over")) else "stack/blocks"
+
+
+@pytest.mark.parametrize("how", ["class", "path"])
+@pytest.mark.parametrize("transform", TRANSFORMS)
+def test_keep_rules_on_an_enclosing_layer_reach_layers_inside_transforms(transform, how):
+  rules = mpx.KeepRules()
+  rules = (
+    rules.with_class(Stack, "float32") if how == "class" else rules.with_path("^stack$", "float32")
+  )
+  model = mpx.linen.apply_policy(Model(transform), "float16", rules=rules)
+  variables, _ = _outputs(model.init, jax.random.key(0), _x())
+  _, seen = _outputs(model.apply, variables, _x())
+  block = _block_path(transform)
+  # Inside the kept stack everything computes in float32; the stack hands on float16.
+  for path in (block, f"{block}/Dense_0", f"{block}/LayerNorm_0"):
+    assert set(seen[path]) == {np.dtype(jnp.float32)}, (path, seen)
+  assert set(seen["stack"]) == {np.dtype(jnp.float16)}, seen
+  params = variables["params"]
+  for name in block.split("/"):
+    params = params[name]
+  assert params["Dense_0"]["kernel"].dtype == jnp.float32
+  assert variables["params"]["head"]["kernel"].dtype == jnp.float16

@@ -159,3 +159,33 @@ def test_keep_rules_on_an_enclosing_layer_reach_layers_inside_transforms(transfo
     params = params[name]
   assert params["Dense_0"]["kernel"].dtype == jnp.float32
   assert variables["params"]["head"]["kernel"].dtype == jnp.float16
+
+
+class CopiedLayers(nn.Module):
+  """Norms and Dense layers whose copies nn.jit / nn.remat make and free during one call."""
+
+  @nn.compact
+  def __call__(self, x):
+    for i in range(4):
+      x = nn.jit(nn.LayerNorm)(name=f"norm_{i}")(x)
+      x = nn.remat(nn.Dense)(FEATURES, name=f"dense_{i}")(x)
+      x = nn.LayerNorm(name=f"plain_norm_{i}")(x)
+      x = nn.Dense(FEATURES, name=f"plain_dense_{i}")(x)
+    return x
+
+
+@pytest.mark.parametrize("preset", ["float16", "mixed_float16"])
+def test_many_inits_with_jitted_and_rematted_layers_give_the_same_param_dtypes(preset):
+  policy = mpx.get_policy(preset)
+  model = mpx.linen.apply_policy(CopiedLayers(), policy)
+  x = jnp.ones((2, FEATURES), jnp.float32)
+  expected = {
+    name: np.dtype(jnp.float32 if "norm" in name else policy.param_dtype)
+    for name in [
+      f"{kind}_{i}" for i in range(4) for kind in ("norm", "dense", "plain_norm", "plain_dense")
+    ]
+  }
+  for _ in range(30):
+    params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
+    got = {name: {leaf.dtype for leaf in jax.tree.leaves(layer)} for name, layer in params.items()}
+    assert got == {name: {dtype} for name, dtype in expected.items()}

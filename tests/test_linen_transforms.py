@@ -189,3 +189,34 @@ def test_many_inits_with_jitted_and_rematted_layers_give_the_same_param_dtypes(p
     params = jax.eval_shape(model.init, jax.random.key(0), x)["params"]
     got = {name: {leaf.dtype for leaf in jax.tree.leaves(layer)} for name, layer in params.items()}
     assert got == {name: {dtype} for name, dtype in expected.items()}
+
+
+@pytest.mark.parametrize("policy", [None, "mixed_float16"])
+@pytest.mark.parametrize("transform", ["remat", "scan", "scan_over_remat"])
+def test_activations_skip_layers_inside_lifted_transforms(transform, policy):
+  model = Model(transform) if policy is None else mpx.linen.apply_policy(Model(transform), policy)
+  x = _x()
+  params = model.init(jax.random.key(0), x)
+
+  def loss_fn(p, x):
+    return model.apply(p, x).astype(jnp.float32).mean()
+
+  stats = mpx.linen.collect_activations(loss_fn, params, x)
+  # The layers outside the transform are tapped; those inside are left out, not leaked.
+  assert stats.modules == ("embed", "stack", "head", "<root>")
+  assert float(stats.loss) == pytest.approx(float(loss_fn(params, x)), rel=1e-6)
+  report = mpx.linen.locate_nonfinite(loss_fn, params, x)
+  assert report.forward is None and report.backward is None
+
+
+def test_locate_nonfinite_names_the_transform_around_a_nonfinite_layer():
+  model = Model("scan_over_remat")
+  x = _x()
+  params = model.init(jax.random.key(0), x)
+  kernel = params["params"]["stack"]["blocks"]["block"]["Dense_0"]["kernel"]
+  params["params"]["stack"]["blocks"]["block"]["Dense_0"]["kernel"] = kernel.at[1, 0, 0].set(
+    jnp.inf
+  )
+  report = mpx.linen.locate_nonfinite(lambda p, x: model.apply(p, x).mean(), params, x)
+  assert report.forward == ("stack", "output")  # the first tapped layer after it
+  assert report.cause == "genuine"

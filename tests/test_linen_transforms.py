@@ -68,6 +68,9 @@ TRANSFORMS = {
   "scan_over_remat": _scan("remat"),
   "scan_over_jit": _scan("jit"),
   "vmap_over_jit": _vmap(VmapBody),
+  "scan_broadcast_fp8": _scan(
+    "plain", variable_axes={"params": 0}, variable_broadcast=mpx.linen.FP8_COLLECTION
+  ),
 }
 
 
@@ -220,3 +223,32 @@ def test_locate_nonfinite_names_the_transform_around_a_nonfinite_layer():
   report = mpx.linen.locate_nonfinite(lambda p, x: model.apply(p, x).mean(), params, x)
   assert report.forward == ("stack", "output")  # the first tapped layer after it
   assert report.cause == "genuine"
+
+
+@pytest.mark.parametrize("transform", ["scan", "scan_over_remat", "scan_broadcast_fp8"])
+def test_delayed_fp8_histories_of_scanned_layers_stacked_or_broadcast(transform):
+  policy = mpx.get_policy("mixed_float8_delayed")
+  model = mpx.linen.apply_policy(Model(transform), policy)
+  x = _x()
+  variables = model.init(jax.random.key(0), x)
+  params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+  block = history["stack"]["blocks"]["block"]["Dense_0"]["Fp8DotGeneral_0"]
+  length = policy.fp8.history_length + 1
+  shape = (length,) if transform == "scan_broadcast_fp8" else (LAYERS, length)
+  for name in ("lhs", "rhs", "grad"):
+    assert block[name].shape == shape and block[name].dtype == jnp.float32
+  assert history["head"]["Fp8DotGeneral_0"]["lhs"].shape == (length,)
+
+  def loss_fn(params, history):
+    out = model.apply({"params": params, mpx.linen.FP8_COLLECTION: history}, x)
+    return jnp.mean(jnp.square(out))
+
+  loss, (grads, observed) = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1)))(params, history)
+  assert jnp.isfinite(loss)
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+  shapes = jax.tree.map(jnp.shape, observed)
+  assert shapes == jax.tree.map(jnp.shape, history)
+  for name in ("lhs", "rhs", "grad"):
+    # Every scanned layer observed an amax, in its pending slot.
+    pending = observed["stack"]["blocks"]["block"]["Dense_0"]["Fp8DotGeneral_0"][name][..., 0]
+    assert bool(jnp.all(jnp.isfinite(pending))) and bool(jnp.all(pending > 0)), (name, pending)

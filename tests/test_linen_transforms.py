@@ -9,8 +9,11 @@ hand their outputs on in the compute dtype, not the model's output dtype.
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import models
 import numpy as np
+import optax
 import pytest
+from optax_compat import standard_promotion
 
 import mpx
 
@@ -252,3 +255,71 @@ def test_delayed_fp8_histories_of_scanned_layers_stacked_or_broadcast(transform)
     # Every scanned layer observed an amax, in its pending slot.
     pending = observed["stack"]["blocks"]["block"]["Dense_0"]["Fp8DotGeneral_0"][name][..., 0]
     assert bool(jnp.all(jnp.isfinite(pending))) and bool(jnp.all(pending > 0)), (name, pending)
+
+
+def _llama_setup(preset: str, *, scan: bool = True):
+  """The decoder under ``preset``, its variables, optimizer and jittable train step."""
+  policy = mpx.get_policy(preset)
+  model = mpx.linen.apply_policy(models.LlamaDecoder(scan=scan), policy)
+  inputs, targets = models.lm_batch(models.text_tokens(), 0, batch_size=4, seq_len=16)
+  variables = model.init(jax.random.key(0), inputs)
+  params = variables["params"]
+  history = variables.get(mpx.linen.FP8_COLLECTION, {})
+  tx = mpx.mixed_precision(standard_promotion(optax.adam(1e-2)), policy)
+
+  def loss_fn(params, history, inputs, targets):
+    logits = model.apply({"params": params, mpx.linen.FP8_COLLECTION: history}, inputs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+
+  def train_step(params, history, opt_state, inputs, targets):
+    grad_fn = mpx.value_and_grad(loss_fn, opt_state, argnums=(0, 1))
+    loss, (grads, observed) = grad_fn(params, history, inputs, targets)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    # The scanned layers' histories are stacked (layers, history + 1): one update per layer.
+    history = jax.tree.map(
+      lambda h, o: (
+        jax.vmap(mpx.update_fp8_state)(h, o) if h.ndim == 2 else mpx.update_fp8_state(h, o)
+      ),
+      history,
+      observed,
+    )
+    return mpx.apply_updates(params, updates, opt_state), history, opt_state, loss
+
+  return policy, params, history, tx, train_step, (inputs, targets)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_llama_decoder_scanned_over_remat_blocks_trains_under_every_preset(preset):
+  policy, params, history, tx, train_step, _ = _llama_setup(preset)
+  assert (
+    params["layers"]["block"]["mlp"]["gate"]["kernel"].shape[0] == models.LlamaDecoder.num_layers
+  )
+  assert bool(history) == (policy.fp8 is not None and policy.fp8.delayed)
+  opt_state = tx.init(params)
+  step = jax.jit(train_step)
+  losses = []
+  for i in range(4):
+    inputs, targets = models.lm_batch(models.text_tokens(), i % 2, batch_size=4, seq_len=16)
+    params, history, opt_state, loss = step(params, history, opt_state, inputs, targets)
+    losses.append(float(loss))
+  assert np.all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.5, losses
+  for leaf in jax.tree.leaves(params):
+    assert leaf.dtype == policy.param_dtype and bool(jnp.isfinite(leaf).all())
+  for leaf in jax.tree.leaves(history):
+    assert leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all())
+    assert bool(jnp.any(leaf[..., 1] > 0))  # a committed amax in every history
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_llama_audit_shares_are_those_of_the_unrolled_model(preset):
+  shares = {}
+  for scan in (True, False):
+    policy, params, history, tx, train_step, batch = _llama_setup(preset, scan=scan)
+    opt_state = jax.eval_shape(tx.init, params)
+    report = mpx.audit(train_step, params, history, opt_state, *batch, policy=policy)
+    shares[scan] = (report.half_flops_share, report.fp8_flops_share)
+  assert shares[True] == pytest.approx(shares[False], abs=1e-9), shares
+  if policy.compute_dtype != jnp.float32:
+    assert shares[True][0] > 0.9, shares
+  if policy.fp8 is not None:
+    assert shares[True][1] > 0.5, shares

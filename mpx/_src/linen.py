@@ -5,9 +5,11 @@ Linen builds a fresh bound copy of every module on each ``init`` / ``apply`` /
 adoption, ``@nn.compact`` and ``setup`` children are constructed anew), and
 every method of such a copy, ``setup`` included, passes through
 ``nn.intercept_methods`` before its body runs. On a copy's first call the
-interceptor resolves its policy (``mpx._src.layer_policy``) and writes it into
-the copy's fields, which the body then reads; the user's module objects are
-never touched. A float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
+interceptor resolves its policy (``mpx._src.layer_policy``, by module path)
+and writes it into the copy's fields, which the body then reads; the user's
+module objects are never touched. The copies Flax's lifted transforms build
+have a ``Scope`` for parent: their enclosing layer is the one seen at the
+longest shorter path, so only the model itself is the root. A float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
 half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
 params and statistics instead of its body (after ``init``, which runs Flax's
 code to create them). The user-facing account is :func:`apply_policy`'s
@@ -447,6 +449,15 @@ def apply_policy(
   the param dtype, so every policy starts from the float32 run's initial
   weights. Other collections (``batch_stats``) are created by the layers
   themselves, so a norm kept in float32 keeps float32 statistics.
+
+  Lifted transforms: the layers inside ``nn.scan``, ``nn.remat`` /
+  ``nn.checkpoint``, ``nn.jit`` and ``nn.vmap`` (Flax builds them with a
+  ``Scope``, not the enclosing module, for parent) are placed by their path:
+  their parent is the layer at the longest shorter path, so keep rules on an
+  enclosing layer reach them and only the model itself casts to the output
+  dtype. With delayed fp8, give the ``"fp8_history"`` collection to
+  ``nn.scan`` / ``nn.vmap`` as ``variable_axes`` (a history per layer) or
+  ``variable_broadcast`` (one shared history).
 
   Limits: the returned :class:`PolicyModel` is not a ``flax.linen.Module``;
   wrap the outermost model. A layer that ignores ``dtype`` (a hand-written

@@ -9,8 +9,8 @@ interceptor resolves its policy (``mpx._src.layer_policy``, by module path)
 and writes it into the copy's fields, which the body then reads; the user's
 module objects are never touched. The copies Flax's lifted transforms build
 have a ``Scope`` for parent: their enclosing layer is the one seen at the
-longest shorter path, so only the model itself is the root. A float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
-half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
+longest shorter path, so only the model itself is the root. A float32
+``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
 params and statistics instead of its body (after ``init``, which runs Flax's
 code to create them). The user-facing account is :func:`apply_policy`'s
 docstring.
@@ -275,14 +275,15 @@ class PolicyModel:
       lean_norm_kinds=_LEAN_NORM_KINDS,
     )
     param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-    # Casting calls in progress per configured copy, keyed by id: the copies stay
-    # referenced here until the call ends, so no later copy can reuse an id.
-    depth: dict[int, tuple[nn.Module, int]] = {}
+    # The copies configured in this call, by id: holding them until the call ends
+    # keeps a later copy from reusing the id of one Flax has freed (nn.jit, nn.remat).
+    configured: dict[int, nn.Module] = {}
+    in_cast: set[int] = set()  # the copies whose casting call is in progress
 
     def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
       module = context.module
       key = id(module)
-      if key not in depth:
+      if key not in configured:
         at_path.setdefault(tuple(module.path), module)
         policy = layers.policy_at(module)
         param_dtypes[tuple(module.path)] = policy.param_dtype
@@ -298,7 +299,7 @@ class PolicyModel:
         )
         if policy.fp8 is not None:
           _configure_fp8(module, policy.fp8, fields)
-        depth[key] = (module, 0)
+        configured[key] = module
       # Only the outermost method call of a layer casts (a method calling
       # another of the same layer stays inside it), and setup never does.
       recipe = layers.policy_at(module).fp8
@@ -306,7 +307,7 @@ class PolicyModel:
         # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
         next_fun = functools.partial(_fp8_einsum_call, module, recipe)
       boundary = layers.boundary(module)
-      if boundary is None or context.method_name == "setup" or depth[key][1]:
+      if boundary is None or context.method_name == "setup" or key in in_cast:
         return next_fun(*f_args, **f_kwargs)
       inner, outer = boundary
       kind = layers.lean_norm(module)
@@ -315,11 +316,11 @@ class PolicyModel:
         if out is not None:
           return out
       f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
-      depth[key] = (module, 1)
+      in_cast.add(key)
       try:
         out = next_fun(*f_args, **f_kwargs)
       finally:
-        depth[key] = (module, 0)
+        in_cast.discard(key)
       return casting.cast_tree(out, outer)
 
     with nn.intercept_methods(interceptor):

@@ -29,6 +29,7 @@ from mpx._src.finite_check import all_finite as all_finite
 from mpx._src.fp8 import Fp8Recipe as Fp8Recipe
 from mpx._src.fp8 import accumulation_boundary as accumulation_boundary
 from mpx._src.fp8 import fp8_dot_general as fp8_dot_general
+from mpx._src.fp8 import fp8_max_grad as fp8_max_grad
 from mpx._src.fp8 import quantize_dequantize as quantize_dequantize
 from mpx._src.fp8 import update_fp8_state as update_fp8_state
 from mpx._src.histogram import MagnitudeHistogram as MagnitudeHistogram
@@ -112,6 +113,7 @@ __all__ = (
   "dot_product_attention",
   "dynamic_loss_scale",
   "fp8_dot_general",
+  "fp8_max_grad",
   "get_loss_scale",
   "get_policy",
   "linen",

@@ -102,6 +102,49 @@ def test_quantize_dequantize_with_current_scaling_is_exact_rounding(dtype, ml_dt
   )
 
 
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("top", [1e-3, 1e-5, 3e-7])
+def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dtype, ml_dtype, top):
+  # float16's exponent range is narrower than float32's: a scale cast to float16
+  # underflows to zero for these amaxes, and x / 0 is not finite.
+  x32 = np.random.default_rng(7).uniform(-1, 1, 64).astype(np.float32) * top
+  x = jnp.asarray(x32, jnp.float16)
+  out = mpx.quantize_dequantize(x, dtype)
+  assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
+  x16 = np.asarray(x, np.float32)
+  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
+  expected = (_reference(x16 / scale, ml_dtype).astype(np.float64) * scale).astype(np.float16)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["current", "fixed"])
+def test_straight_through_gradient_is_the_identity_within_range(source, scale):
+  x = jnp.asarray([1.0, 0.3, -5.0, 2.7, 700.0], source)  # 700 saturates E4M3 at scale 1
+  ct = jnp.asarray([1000.0, 0.3, 1e-9, 0.123456, 5.0], source)
+  scale = None if scale is None else jnp.float32(scale)
+
+  def loss(x, straight_through):
+    out = mpx.quantize_dequantize(
+      x, jnp.float8_e4m3fn, scale=scale, straight_through=straight_through
+    )
+    return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)(x, True)
+  assert grad.dtype == source
+  expected = np.array(ct.astype(jnp.float32))
+  if scale is not None:
+    expected[-1] = 0.0  # saturated: the output does not move with x there
+  np.testing.assert_array_equal(np.asarray(grad.astype(jnp.float32)), expected)
+  # Same forward; the default differentiates through the rounding, cotangent included.
+  np.testing.assert_array_equal(
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale, straight_through=True)),
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale)),
+  )
+  rounded = np.asarray(jax.grad(loss)(x, False).astype(jnp.float32))
+  assert not np.array_equal(rounded[:4], expected[:4])
+
+
 def _operands():
   rng = np.random.default_rng(2)
   lhs = jnp.asarray(rng.standard_normal((8, 32)) * 5, jnp.bfloat16)
@@ -166,19 +209,44 @@ def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
 
 
 def test_delayed_scale_ignores_the_current_tensor():
-  # An empty history gives scale 1: a value beyond E4M3's max saturates this step,
-  # and is recorded for the next one. Current scaling would have fitted it.
+  # Once something is recorded, the scale comes from the history alone: a value
+  # beyond E4M3's max saturates this step, and is recorded for the next one.
+  # Current scaling would have fitted it.
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
   empty = fp8_lib.init_history(recipe)
-  state = (empty, empty, empty)
   lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
   rhs = jnp.ones((2, 1), jnp.float32)
-  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
+  small = (jnp.array([0.0, 240.0, 0.0]), empty, empty)
+  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
   current = mpx.fp8_dot_general(lhs, rhs, DIMS)
   assert float(delayed[0, 0]) == 448.0 + 1.0
   assert float(current[0, 0]) == 960.0 + 1.0
   filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
   assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_the_first_delayed_step_scales_like_current_scaling(reduction):
+  # An empty history bootstraps from each tensor's own amax, instead of scale 1
+  # (which saturates 960 and flushes the 1e-6 gradients to zero in E5M2).
+  recipe = mpx.Fp8Recipe("delayed", history_length=2, reduction=reduction)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  lhs = jnp.array([[960.0, 1.0], [3.0, -2.0]], jnp.float32)
+  rhs = jnp.array([[0.5], [0.25]], jnp.float32)
+  g = jnp.array([[1e-6], [-3e-6]], jnp.float32)
+
+  def run(recipe, state):
+    out, pullback = jax.vjp(
+      lambda a, b: mpx.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
+    )
+    return out, *pullback(g)
+
+  delayed = jax.jit(run, static_argnums=0)(recipe, state)
+  current = jax.jit(run, static_argnums=0)(mpx.Fp8Recipe("current"), None)
+  for d, c in zip(delayed, current, strict=True):
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
+  assert float(delayed[0][0, 0]) == 960.0 * 0.5 + 0.25
+  assert np.asarray(delayed[2]).any()  # the weight gradient is not flushed to zero
 
 
 def test_update_rolls_commits_and_keeps_a_running_max():
@@ -197,6 +265,117 @@ def test_update_rolls_commits_and_keeps_a_running_max():
   out = jax.lax.cond(True, lambda t: mpx.update_fp8_state(t, t), lambda t: t, tree)
   chex.assert_trees_all_equal_shapes_and_dtypes(out, tree)
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
+  # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
+  rng = np.random.default_rng(5)
+  stacked = jnp.asarray(rng.uniform(0, 10, (3, 2, 5)), jnp.float32)
+  observed = jnp.zeros_like(stacked).at[..., 0].set(jnp.asarray(rng.uniform(0, 10, (3, 2))))
+  per_layer = [
+    mpx.update_fp8_state(stacked[i, j], observed[i, j], commit=commit)
+    for i in range(3)
+    for j in range(2)
+  ]
+  out = jax.jit(mpx.update_fp8_state)(stacked, observed, commit=commit)
+  assert out.shape == stacked.shape and out.dtype == stacked.dtype
+  np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
+  recipe = mpx.Fp8Recipe("delayed", history_length=4)
+  assert fp8_lib.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
+  scales = jax.vmap(jax.vmap(lambda h: fp8_lib._history_scale(h, fp8_lib.E4M3, recipe)))(stacked)
+  np.testing.assert_array_equal(
+    np.asarray(fp8_lib._history_scale(stacked, fp8_lib.E4M3, recipe)), np.asarray(scales)
+  )
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
+  # Weight sharing: one set of histories, three calls with lhs amaxes 2, 4, 3,
+  # rhs amaxes 1, 1/2, 1/4 and gradient amaxes 5, 7, 6. A sum would record 9, 1.75, 18.
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  rhs = jnp.ones((2, 1), jnp.float32)
+
+  def loss(state):
+    state = mpx.fp8_max_grad(state)
+    total = jnp.float32(0.0)
+    for a, b, g in ((2.0, 1.0, 5.0), (4.0, 0.5, 7.0), (3.0, 0.25, 6.0)):
+      out = mpx.fp8_dot_general(jnp.array([[a, 1.0]]), rhs * b, DIMS, recipe=recipe, state=state)
+      total = total + g * jnp.sum(out)
+    return total
+
+  grad = jax.grad(loss)
+  observed = (jax.jit(grad) if jit else grad)(state)
+  assert all(o.dtype == jnp.float32 and o.shape == (3,) for o in observed)
+  np.testing.assert_array_equal(
+    np.stack([np.asarray(o) for o in observed]), [[4.0, 0.0, 0.0], [1.0, 0.0, 0.0], [7.0, 0.0, 0.0]]
+  )
+
+
+def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  xs = jnp.array([[[2.0, 1.0]], [[5.0, 1.0]], [[3.0, 1.0]]])  # amaxes 2, 5, 3
+  w = jnp.full((2, 1), 0.5)
+
+  def loss(state, w):
+    state = mpx.fp8_max_grad(state)
+
+    def body(total, x):
+      return total + jnp.sum(mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)), None
+
+    return jax.lax.scan(body, jnp.float32(0.0), xs)[0]
+
+  observed, _ = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, w)
+  np.testing.assert_array_equal(np.asarray(observed[0]), [5.0, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[1]), [0.5, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[2]), [1.0, 0.0, 0.0])
+  history = mpx.update_fp8_state(state, observed)
+  assert [float(h[1]) for h in history] == [5.0, 0.5, 1.0]
+
+
+class _SharedLinen(nn.Module):
+  @nn.compact
+  def __call__(self, xs):
+    dense = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)
+    return sum(dense(x) for x in xs)
+
+
+class _SharedNnx(nnx.Module):
+  def __init__(self):
+    init = nnx.initializers.ones
+    self.dense = nnx.Linear(2, 1, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+
+  def __call__(self, xs):
+    return sum(self.dense(x) for x in xs)
+
+
+@pytest.mark.parametrize("adapter", ["linen", "nnx"])
+def test_a_shared_flax_layer_records_the_max_amax_with_fp8_max_grad(adapter):
+  xs = [jnp.full((1, 2), a) for a in (2.0, 4.0, 3.0)]
+  if adapter == "linen":
+    model = mpx.linen.apply_policy(_SharedLinen(), "mixed_float8_delayed")
+    variables = model.init(jax.random.key(0), xs)
+    params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+
+    def forward(history):
+      return model.apply({"params": params, mpx.linen.FP8_COLLECTION: history}, xs)
+  else:
+    module = mpx.nnx.apply_policy(_SharedNnx(), "mixed_float8_delayed")
+    graphdef, params, history, rest = nnx.split(module, nnx.Param, mpx.nnx.Fp8History, ...)
+
+    def forward(history):
+      return nnx.merge(graphdef, params, history, rest)(xs)
+
+  def loss(history):
+    return jnp.sum(forward(mpx.fp8_max_grad(history)).astype(jnp.float32))
+
+  observed = jax.jit(jax.grad(loss))(history)
+  # lhs amaxes 2, 4, 3; the kernel's and the gradient's are 1 in each call.
+  pending = sorted(float(h[0]) for h in jax.tree.leaves(observed))
+  assert pending == [1.0, 1.0, 4.0]
+  assert all(h.dtype == jnp.float32 for h in jax.tree.leaves(observed))
 
 
 def test_amax_is_reduced_over_a_named_axis():
@@ -353,6 +532,89 @@ def test_multisteps_records_the_max_amax_over_micro_batches():
 def test_accumulation_boundary_without_multisteps_is_every_step():
   state = optax.sgd(0.1).init({"w": jnp.ones(2)})
   assert bool(mpx.accumulation_boundary(state))
+
+
+def _float16_fp8_step(tx, recipe, use_opt_state):
+  """A jitted float16 step of one delayed-fp8 matmul under a dynamic loss scale."""
+
+  def loss(params, history, x):
+    w = params["w"].astype(jnp.float16)
+    out = mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=history)
+    return jnp.sum(out.astype(jnp.float32))
+
+  @jax.jit
+  def step(params, history, opt_state, x):
+    _, (grads, observed) = mpx.value_and_grad(loss, opt_state, argnums=(0, 1))(params, history, x)
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if use_opt_state:
+      history = mpx.update_fp8_state(history, observed, opt_state=opt_state)
+    else:
+      history = mpx.update_fp8_state(history, observed, commit=mpx.accumulation_boundary(opt_state))
+    return params, history, opt_state
+
+  return step
+
+
+_X16 = jnp.asarray(np.random.default_rng(6).uniform(-4, 4, (4, 8)), jnp.float16)
+_INF = _X16.at[1, 2].set(jnp.inf)
+
+
+@pytest.mark.parametrize("use_opt_state", [True, False], ids=["opt_state", "commit"])
+def test_a_skipped_step_leaves_the_fp8_history_untouched(use_opt_state):
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8)
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state)
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert not bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  before = [np.asarray(h) for h in history]
+  assert all(h[1] > 0 for h in before)
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  assert not bool(mpx.accumulation_boundary(opt_state))
+  after = [np.asarray(h) for h in history]
+  for b, a in zip(before, after, strict=True):
+    assert np.isfinite(a).all()
+    if use_opt_state:  # bitwise, pending slot included
+      assert a.tobytes() == b.tobytes()
+    else:  # without the skip, the finite amaxes of the step wait in the pending slot
+      assert a[1:].tobytes() == b[1:].tobytes()
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  # The next good step commits its own amaxes on top, with the scale of step 1.
+  for b, h in zip(before, history, strict=True):
+    np.testing.assert_array_equal(np.asarray(h)[2:], b[1:-1])
+    assert float(h[1]) > 0
+
+
+def test_a_skipped_multisteps_boundary_leaves_the_fp8_history_untouched():
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = optax.MultiSteps(
+    mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8), every_k_schedule=2
+  )
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state=True)
+  for x in (_X16, _X16):  # one good accumulation: one commit
+    params, history, opt_state = step(params, history, opt_state, x)
+  committed = [np.asarray(h) for h in history]
+  assert all(h[0] == 0 and h[1] > 0 for h in committed)
+  # The inf arrives in the first micro-batch; the skip is decided at the boundary.
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert all(np.isfinite(np.asarray(h)).all() for h in history)  # not in the running max
+  pending = [np.asarray(h) for h in history]
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  for p, c, h in zip(pending, committed, history, strict=True):
+    assert np.asarray(h).tobytes() == p.tobytes()
+    assert p[1:].tobytes() == c[1:].tobytes()
+  # Later micro-batches of the next accumulation are not mistaken for skipped ones.
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert float(history[1][0]) > 0
 
 
 def test_delayed_state_survives_an_orbax_round_trip(tmp_path):

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import strategies as st
 
 import mpx
+from mpx._src import fp8 as fp8_lib
 from mpx._src import policy as policy_lib
 
 F32, BF16, F16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
@@ -319,3 +320,79 @@ def test_cast_methods_use_the_matching_dtype(preset, use_jit):
     assert out["step"].dtype == jnp.int32
     expected = np.asarray(tree["w"]).astype(dtype)
     np.testing.assert_array_equal(np.asarray(out["w"]).view(np.uint8), expected.view(np.uint8))
+
+
+_AXIS_ST = st.text(
+  "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_", min_size=1, max_size=8
+)
+
+
+@st.composite
+def _recipe(draw):
+  return mpx.Fp8Recipe(
+    draw(st.sampled_from(["current", "delayed"])),
+    history_length=draw(st.integers(1, 4096)),
+    reduction=draw(st.sampled_from(["max", "most_recent"])),
+    margin=draw(st.integers(0, 40)),
+    axis_name=draw(st.none() | _AXIS_ST),
+    attention=draw(st.booleans()),
+  )
+
+
+@st.composite
+def _policy(draw):
+  recipe = draw(st.none() | _recipe())
+  compute = draw(st.sampled_from([F32, BF16] if recipe else [F32, BF16, F16, F64]))
+  params, output = (draw(st.sampled_from([F32, BF16, F16, F64])) for _ in range(2))
+  return mpx.Policy(params, compute, output, fp8=recipe)
+
+
+@FAST
+@hypothesis.given(_policy())
+def test_str_of_any_policy_and_recipe_parses_back(policy):
+  assert mpx.get_policy(str(policy)) == policy
+  if policy.fp8 is not None:
+    assert fp8_lib.parse_recipe(str(policy.fp8)) == policy.fp8
+
+
+@pytest.mark.parametrize(
+  "recipe",
+  [
+    mpx.Fp8Recipe("current", axis_name="Batch"),  # names are case-sensitive in JAX
+    mpx.Fp8Recipe("current", history_length=8, reduction="most_recent", margin=2, attention=True),
+    mpx.Fp8Recipe("delayed", axis_name="dataParallel", margin=1),
+  ],
+)
+def test_recipe_fields_survive_str(recipe):
+  policy = mpx.Policy(F32, BF16, F32, fp8=recipe)
+  assert mpx.get_policy(str(policy)) == policy
+  assert mpx.get_policy(str(policy)).fp8.axis_name == recipe.axis_name  # pyright: ignore[reportOptionalMemberAccess]
+
+
+def test_policy_keys_dtypes_and_recipe_words_ignore_case_but_not_the_axis_name():
+  policy = mpx.get_policy("P=F32,C=BF16,FP8=Delayed:History=4:Reduction=Most_Recent:axis=Data")
+  assert policy.fp8 == mpx.Fp8Recipe("delayed", 4, "most_recent", axis_name="Data")
+  assert mpx.get_policy("MIXED_FLOAT8") == mpx.get_policy("mixed_float8")
+
+
+@pytest.mark.parametrize(
+  ("part", "match"),
+  [
+    ("history=abc", r"history=abc.*whole number"),
+    ("margin=1.5", r"margin=1\.5.*whole number"),
+    ("history=0", "at least 1"),
+    ("axis=", "axis name"),
+  ],
+)
+def test_bad_recipe_values_raise_policy_errors_naming_the_part(part, match):
+  with pytest.raises(mpx.PolicyError, match=match):
+    mpx.get_policy(f"p=f32,c=bf16,fp8=delayed:{part}")
+
+
+@pytest.mark.parametrize(
+  "kwargs",
+  [{"history_length": 2.5}, {"margin": True}, {"axis_name": "a:b"}, {"axis_name": ""}],
+)
+def test_recipes_that_could_not_be_written_as_a_string_are_refused(kwargs):
+  with pytest.raises(mpx.PolicyError):
+    mpx.Fp8Recipe("delayed", **kwargs)

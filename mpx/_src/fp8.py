@@ -14,22 +14,31 @@ is exactly ``ml_dtypes``' rounding of ``x / s``, times ``s``.
 
 Delayed scaling keeps, per tensor, one float32 array of ``history_length + 1``
 entries: ``[pending, most recent, ..., oldest]``. The forward pass reads the
-committed part to choose the scale; the amax each call observes comes back as
-the *gradient* of the pending slot, and :func:`update_fp8_state` folds it in
-(a running max over micro-batches) and, at an accumulation boundary, commits
-it to the history. Core module: imports neither Flax nor optax.
+committed part to choose the scale (or, while nothing is committed, the
+tensor's own amax); the amax each call observes comes back as the *gradient*
+of the pending slot, combined over the calls that share a history by ``max``
+(:func:`fp8_max_grad`), and :func:`update_fp8_state` folds it in (a running
+max over micro-batches) and, at an accumulation boundary not skipped by the
+loss scale, commits it to the history. Core module: imports neither Flax nor
+optax.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
+import re
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import ad_util, earray
+from jax._src import core as jax_core
+from jax._src import dtypes as jax_dtypes
+from jax._src.interpreters import pxla
 
 from mpx._src import errors
 
@@ -51,8 +60,9 @@ class Fp8Recipe:
     steps, ``max`` over the last ``history_length`` or the ``most_recent``
     one; the current amax is only recorded, so quantising does not wait for
     it. The history is state (see :func:`update_fp8_state`); while it is
-    empty (the first optimizer step) the scale is 1, as in Transformer
-    Engine, and small gradients of that step may round to zero in E5M2.
+    empty (the first optimizer step) each tensor's own amax sets its scale,
+    as in current scaling (Transformer Engine uses 1 there, which saturates
+    large values and flushes small gradients to zero in E5M2).
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
@@ -92,6 +102,15 @@ class Fp8Recipe:
   attention: bool = False
 
   def __post_init__(self) -> None:
+    for name in ("history_length", "margin"):
+      object.__setattr__(self, name, _whole_number(name, getattr(self, name)))
+    if self.axis_name is not None and not (
+      isinstance(self.axis_name, str) and re.fullmatch(_AXIS_NAME, self.axis_name)
+    ):
+      raise errors.PolicyError(
+        f"The fp8 axis name must be a non-empty string of letters, digits, '_', '-' or '.' "
+        f"(it is written into policy strings, between ':' and ','), got {self.axis_name!r}."
+      )
     if self.scaling not in _SCALINGS:
       raise errors.PolicyError(
         f"Unknown fp8 scaling {self.scaling!r}; write 'current' (each tensor's own amax, no "
@@ -101,12 +120,12 @@ class Fp8Recipe:
       raise errors.PolicyError(
         f"Unknown amax history reduction {self.reduction!r}; write 'max' or 'most_recent'."
       )
-    if int(self.history_length) < 1:
+    if self.history_length < 1:
       raise errors.PolicyError(
         f"history_length must be at least 1, got {self.history_length}; 1 keeps the most "
         "recent amax only."
       )
-    if int(self.margin) < 0:
+    if self.margin < 0:
       raise errors.PolicyError(f"margin must be a non-negative power of two, got {self.margin}.")
 
   @property
@@ -115,12 +134,13 @@ class Fp8Recipe:
     return self.scaling == "delayed"
 
   def __str__(self) -> str:
-    # Only what differs from the defaults, so that a preset prints as written.
+    # Only what differs from the defaults, so that a preset prints as written; every
+    # such field, whatever the scaling, so that parse_recipe(str(r)) == r.
     parts = [self.scaling]
     defaults = Fp8Recipe(self.scaling)
-    if self.delayed and self.history_length != defaults.history_length:
+    if self.history_length != defaults.history_length:
       parts.append(f"history={self.history_length}")
-    if self.delayed and self.reduction != defaults.reduction:
+    if self.reduction != defaults.reduction:
       parts.append(f"reduction={self.reduction}")
     parts += [f"margin={self.margin}"] if self.margin else []
     parts += [f"axis={self.axis_name}"] if self.axis_name else []
@@ -133,6 +153,21 @@ class Fp8Recipe:
 
 
 _RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin": "margin"}
+_AXIS_NAME = r"[A-Za-z0-9_.\-]+"
+_RECIPE_FORM = (
+  "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
+  "(every part optional) or 'current' (with margin, axis, attention)"
+)
+
+
+def _whole_number(name: str, value: Any) -> int:
+  """``value`` as a Python int; a bool, a fraction or a non-number is a :class:`PolicyError`."""
+  if not isinstance(value, bool):
+    try:
+      return operator.index(value)
+    except TypeError:
+      pass
+  raise errors.PolicyError(f"{name} must be a whole number, got {value!r}.")
 
 
 def parse_recipe(spec: str) -> Fp8Recipe:
@@ -148,25 +183,35 @@ def parse_recipe(spec: str) -> Fp8Recipe:
   Raises:
     PolicyError: an unknown part.
   """
-  scaling, *parts = spec.strip().split(":")
-  fields: dict[str, Any] = {"scaling": scaling}
+  # Everything but the axis name ignores case, like the rest of a policy string; JAX's
+  # axis names are case-sensitive.
+  scaling, *parts = (part.strip() for part in spec.strip().split(":"))
+  fields: dict[str, Any] = {"scaling": scaling.lower()}
   for part in parts:
-    if part == "attention":
+    key, sep, value = (s.strip() for s in part.partition("="))
+    key = key.lower()
+    if key == "attention" and not sep:
       fields["attention"] = True
-      continue
-    key, sep, value = part.partition("=")
-    if not sep or key not in (*_RECIPE_KEYS, "axis"):
+    elif not sep or key not in (*_RECIPE_KEYS, "axis"):
       raise errors.PolicyError(
-        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write "
-        "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
-        "(every part optional) or 'current' (with margin, axis, attention)."
+        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write {_RECIPE_FORM}."
       )
-    if key == "axis":
+    elif key == "axis":
+      if not re.fullmatch(_AXIS_NAME, value):
+        raise errors.PolicyError(
+          f"Cannot parse {part!r} in the fp8 recipe {spec!r}: the axis name must be letters, "
+          "digits, '_', '-' or '.', e.g. 'axis=data'."
+        )
       fields["axis_name"] = value
     elif key == "reduction":
-      fields["reduction"] = value
-    else:
+      fields["reduction"] = value.lower()
+    elif re.fullmatch(r"[+-]?\d+", value):
       fields[_RECIPE_KEYS[key]] = int(value)
+    else:
+      raise errors.PolicyError(
+        f"Cannot parse {part!r} in the fp8 recipe {spec!r}: {key} takes a whole number, e.g. "
+        f"'{key}={Fp8Recipe.history_length if key == 'history' else 1}'."
+      )
   return Fp8Recipe(**fields)
 
 
@@ -223,10 +268,23 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
     (with their sign), NaN stays NaN, infinities follow the format
     (E5M2 keeps them, E4M3FN has none and gives NaN).
   """
-  limit = jnp.asarray(fp8_max(dtype), x.dtype)
-  scaled = x / scale.astype(x.dtype)
+  wide = _scale_dtype(x.dtype)
+  limit = jnp.asarray(fp8_max(dtype), wide)
+  scaled = x.astype(wide) / scale.astype(wide)
   clamped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -limit, limit), scaled)
   return clamped.astype(dtype)
+
+
+def _scale_dtype(dtype: Any) -> np.dtype:
+  """The dtype scaling by a power of two is exact in: ``dtype``, or float32 if its range is narrower.
+
+  A float32 scale may lie outside float16's range (below ``2**-24`` for a
+  float16 tensor of amax under about ``1e-5``): cast to float16 it would
+  become 0 or inf. bfloat16 has float32's exponent range.
+  """
+  if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+    return np.dtype(np.float32)
+  return np.dtype(dtype)
 
 
 def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
@@ -240,19 +298,34 @@ def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
   Returns:
     The dequantised array in ``dtype``.
   """
-  return q.astype(dtype) * scale.astype(dtype)
+  wide = _scale_dtype(dtype)
+  return (q.astype(wide) * scale.astype(wide)).astype(dtype)
 
 
 def quantize_dequantize(
-  x: jax.Array, dtype: Any, *, scale: jax.Array | None = None, margin: int = 0
+  x: jax.Array,
+  dtype: Any,
+  *,
+  scale: jax.Array | None = None,
+  margin: int = 0,
+  straight_through: bool = False,
 ) -> jax.Array:
   """``x`` rounded through a float8 format and back, with current scaling unless ``scale`` is given.
+
+  Its gradient, by default, is what autodiff makes of the casts: the
+  cotangent is itself rounded to the float8 format (scaled like ``x``), and
+  zero where ``x`` saturated. With ``straight_through=True`` (the
+  straight-through estimator, as torchao's differentiable float8 casts) the
+  cotangent passes unchanged where ``x / scale`` is within the format's
+  range, and is zero where it saturated, since the output stays at the max
+  there.
 
   Args:
     x: a floating array.
     dtype: the float8 format.
     scale: the scale; ``None`` uses :func:`scale_for` of ``x``'s own amax.
     margin: headroom for the current scale.
+    straight_through: whether the gradient is the identity within range.
 
   Returns:
     An array of ``x``'s dtype and shape.
@@ -265,32 +338,198 @@ def quantize_dequantize(
   """
   if scale is None:
     scale = scale_for(amax(x), dtype, margin=margin)
+  if straight_through:
+    return _straight_through(x, scale, np.dtype(dtype))
   return dequantize(quantize(x, dtype, scale), scale, x.dtype)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _straight_through(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+
+
+def _straight_through_fwd(
+  x: jax.Array, scale: jax.Array, dtype: np.dtype
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  return _straight_through(x, scale, dtype), (x, scale)
+
+
+def _straight_through_bwd(
+  dtype: np.dtype, residuals: tuple[jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  x, scale = residuals
+  wide = _scale_dtype(x.dtype)
+  saturated = jnp.abs(x.astype(wide) / scale.astype(wide)) > fp8_max(dtype)
+  return jnp.where(saturated, jnp.zeros_like(g), g), jnp.zeros_like(scale)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+class _AmaxRules:
+  """JAX's rules for :data:`AMAX_FLOAT32`: a float32 whose cotangents accumulate by ``max``.
+
+  When one history feeds several calls (a shared layer, a ``scan`` over one
+  module), autodiff adds the calls' cotangents with the ``add`` of their dtype.
+  Each call's cotangent is the amax it observed; adding them would record the
+  sum, which over-estimates the amax and under-scales every later call. With
+  ``max`` the history records what one call over all the data would have seen.
+  """
+
+  @staticmethod
+  def physical_element_aval(dtype: Any) -> jax_core.ShapedArray:
+    del dtype
+    return jax_core.ShapedArray((), np.dtype(np.float32))
+
+  @staticmethod
+  def convert_from(dtype: Any, other: Any) -> bool:
+    del dtype
+    return np.dtype(other) == np.float32
+
+  @staticmethod
+  def convert_to(other: Any, dtype: Any) -> bool:
+    del dtype
+    return np.dtype(other) == np.float32
+
+  @staticmethod
+  def add(dtype: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+    larger = jax.lax.max(_as_float32(x), _as_float32(y))
+    return jax.lax.convert_element_type(larger, dtype)
+
+  @staticmethod
+  def zero(dtype: Any) -> jax.Array:
+    # Amaxes are non-negative: 0 is the identity of their max.
+    return jax.lax.convert_element_type(np.float32(0.0), dtype)
+
+  @staticmethod
+  def tangent_dtype(dtype: Any) -> Any:
+    return dtype
+
+  @staticmethod
+  def full(shape: Any, fill_value: Any, dtype: Any) -> jax.Array:
+    value = jax.lax.convert_element_type(fill_value, np.float32)
+    return jax.lax.convert_element_type(jax.lax.full(shape, value, np.float32), dtype)
+
+  @staticmethod
+  def global_sharded_result_handler(aval: Any, out_sharding: Any, committed: bool) -> Any:
+    # Outside jit (eager autodiff) the converted history is materialised: wrap
+    # its float32 buffers.
+    physical = jax_core.physical_aval(aval)
+    handler = pxla.global_result_handlers[jax_core.ShapedArray](physical, out_sharding, committed)
+    return lambda buffers: earray.EArray(aval, handler(buffers))
+
+
+class _AmaxType(jax_dtypes.extended):
+  pass
+
+
+class _AmaxDType(jax_dtypes.ExtendedDType):
+  _rules = _AmaxRules
+  name = "amax_float32"
+
+  @property
+  def type(self) -> type:
+    return _AmaxType
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _AmaxDType)
+
+  def __hash__(self) -> int:
+    return hash(_AmaxDType)
+
+  def __repr__(self) -> str:
+    return self.name
+
+
+AMAX_FLOAT32 = _AmaxDType()
+
+
+def _add_extended(x: Any, y: Any) -> Any:
+  return x.aval.dtype._rules.add(x.aval.dtype, x, y)
+
+
+# Eager (un-jitted) autodiff adds materialised cotangents through this table, which
+# has no entry for extended dtypes; under jit their own rules.add is used already.
+ad_util.raw_jaxval_adders.setdefault(earray.EArray, _add_extended)
+
+
+def _as_float32(x: jax.Array) -> jax.Array:
+  return jax.lax.convert_element_type(x, np.float32) if x.dtype == AMAX_FLOAT32 else x
+
+
+def fp8_max_grad(state: Any) -> Any:
+  """The histories of ``state``, typed so that autodiff combines several uses by ``max``.
+
+  A history read by several calls in one differentiated function (a layer
+  applied twice, a ``jax.lax.scan`` or ``nn.scan`` over one module with
+  broadcast histories) gets, as its gradient, the combination of what each
+  call observed. Plain float32 histories combine by sum; histories passed
+  through this function combine by max, so the gradient is the largest amax
+  of any call, as one call over all the data would have observed. Apply it
+  inside the differentiated function, where the histories enter, before
+  anything reads them; the gradient with respect to the original float32
+  histories is then the max. :func:`fp8_dot_general` applies it to its own
+  ``state``, which is enough when each history is read once.
+
+  Args:
+    state: a pytree of float32 histories (already converted leaves pass).
+
+  Returns:
+    ``state`` with every leaf of dtype :data:`AMAX_FLOAT32` (float32 in
+    memory; read it with ``jax.lax.convert_element_type(h, jnp.float32)``).
+  """
+
+  def one(history: jax.Array) -> jax.Array:
+    if history.dtype == AMAX_FLOAT32:
+      return history
+    return jax.lax.convert_element_type(jnp.asarray(history, jnp.float32), AMAX_FLOAT32)
+
+  return jax.tree.map(one, state)
+
+
 def _history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
-  """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while it is empty.
+  """The delayed scale from ``[pending, most recent, ..., oldest]`` (1 while it is empty).
 
   It depends on the history alone, never on the tensor being quantised, so the
   quantisation need not wait for that tensor's amax (XLA can compute the amax
   in the same pass that quantises).
   """
-  committed = history[1:]
-  reference = jnp.max(committed) if recipe.reduction == "max" else committed[0]
+  committed = _as_float32(history)[..., 1:]
+  reference = jnp.max(committed, axis=-1) if recipe.reduction == "max" else committed[..., 0]
   return scale_for(reference, dtype, margin=recipe.margin)
 
 
 def _observed(history: jax.Array, value: jax.Array) -> jax.Array:
   """The cotangent of a history: ``value`` in the pending slot, zeros elsewhere."""
-  return jnp.zeros_like(history).at[0].set(value.astype(history.dtype))
+  cotangent = jnp.zeros(history.shape, jnp.float32).at[..., 0].set(value.astype(jnp.float32))
+  return jax.lax.convert_element_type(cotangent, history.dtype)
 
 
 def _scales(
-  recipe: Fp8Recipe, states: Sequence[jax.Array] | None, amaxes: Sequence[jax.Array], dtype: Any
+  recipe: Fp8Recipe,
+  states: Sequence[jax.Array] | None,
+  tensors: Sequence[jax.Array],
+  amaxes: Sequence[jax.Array],
+  dtype: Any,
 ) -> list[jax.Array]:
   if states is None:
     return [scale_for(a, dtype, margin=recipe.margin) for a in amaxes]
-  return [_history_scale(h, dtype, recipe) for h in states]
+  return [_delayed_scale(h, x, dtype, recipe) for h, x in zip(states, tensors, strict=True)]
+
+
+def _delayed_scale(history: jax.Array, x: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The scale from the history; from ``x``'s own amax while nothing is recorded (the first step).
+
+  A ``cond``, not a select: once the history holds an amax, quantising ``x``
+  does not wait for ``x``'s amax, which is the point of delayed scaling. The
+  bootstrap branch measures it itself for the same reason.
+  """
+  recorded = jnp.max(_as_float32(history)[..., 1:]) > 0
+  return jax.lax.cond(
+    recorded,
+    lambda: _history_scale(history, dtype, recipe),
+    lambda: scale_for(amax(x, recipe.axis_name), dtype, margin=recipe.margin),
+  )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
@@ -325,7 +564,7 @@ def _fp8_dot_fwd(
   out_dtype = dtypes[2]
   amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
   histories = None if states is None else states[:2]
-  lhs_scale, rhs_scale = _scales(recipe, histories, amaxes, E4M3)
+  lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
   lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
   a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
   # The product in the operands' dtype unless a wider one was asked for: cuBLASLt's
@@ -353,7 +592,7 @@ def _fp8_dot_bwd(
   lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states = residuals
   g_amax = amax(g, recipe.axis_name)
   histories = None if states is None else states[2:]
-  (g_scale,) = _scales(recipe, histories, [g_amax], E5M2)
+  (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
   g_dq = dequantize(quantize(g, E5M2, g_scale), g_scale, g.dtype)
   a, b = dequantize(lhs_q, lhs_scale, lhs_dtype), dequantize(rhs_q, rhs_scale, rhs_dtype)
 
@@ -404,7 +643,8 @@ def fp8_dot_general(
     recipe: the scaling recipe; ``None`` means current scaling.
     state: for delayed scaling, the amax histories of ``(lhs, rhs,
       gradient)``, each ``float32[history_length + 1]`` (see
-      :func:`update_fp8_state`); their gradient is the amax each tensor had.
+      :func:`update_fp8_state`), or already passed through
+      :func:`fp8_max_grad`; their gradient is the amax each tensor had.
     **unused: other arguments Flax passes (``out_sharding``), ignored.
 
   Returns:
@@ -425,52 +665,73 @@ def fp8_dot_general(
   (lc, rc), (lb, rb) = dimension_numbers
   dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))  # hashable: a static argument
   dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype)
+  if state is not None:
+    state = tuple(fp8_max_grad(tuple(state)))
   return _fp8_dot(recipe, dims, precision, dtypes, lhs, rhs, state)
 
 
-def init_history(recipe: Fp8Recipe) -> jax.Array:
-  """An empty amax history for one tensor: ``float32[history_length + 1]`` of zeros.
+def init_history(recipe: Fp8Recipe, *, batch_shape: Sequence[int] = ()) -> jax.Array:
+  """An empty amax history: ``float32[*batch_shape, history_length + 1]`` of zeros.
 
   Args:
     recipe: a delayed-scaling recipe.
+    batch_shape: leading axes, one history per entry (e.g. ``(layers,)`` for
+      the histories of layers stacked by ``nn.scan`` or ``nnx.vmap``).
 
   Returns:
     The zero history.
   """
-  return jnp.zeros((recipe.history_length + 1,), jnp.float32)
+  return jnp.zeros((*batch_shape, recipe.history_length + 1), jnp.float32)
 
 
 def _update_history(history: jax.Array, observed: jax.Array, commit: jax.Array) -> jax.Array:
-  pending = jnp.maximum(history[0], observed[0])
-  committed = jnp.concatenate([jnp.zeros((1,), history.dtype), pending[None], history[1:-1]])
-  return jnp.where(commit, committed, history.at[0].set(pending))
+  # The last axis is the history; leading axes are layers stacked by nn.scan or nnx.vmap.
+  seen = observed[..., :1]
+  # A non-finite amax (an overflow the loss scale will skip) would make every delayed
+  # scale built on it fall back to 1 for history_length steps.
+  pending = jnp.where(jnp.isfinite(seen), jnp.maximum(history[..., :1], seen), history[..., :1])
+  committed = jnp.concatenate([jnp.zeros_like(pending), pending, history[..., 1:-1]], axis=-1)
+  return jnp.where(commit, committed, history.at[..., :1].set(pending))
 
 
-def update_fp8_state(state: Any, observed: Any, *, commit: Any = True) -> Any:
+def update_fp8_state(
+  state: Any, observed: Any, *, commit: Any = None, opt_state: Any = None
+) -> Any:
   """Folds the amaxes a step observed into the delayed-scaling state.
 
   Each leaf of ``state`` is one tensor's ``[pending, most recent, ...,
-  oldest]``; the matching leaf of ``observed`` is its gradient from
-  ``jax.grad`` (the amax in the pending slot). The pending slot becomes the
-  running max ``max(pending, observed)``, so over the micro-batches of a
-  gradient accumulation it holds the largest amax of any of them (what one
-  large batch would have seen), not the last one. With ``commit`` the pending
-  amax becomes the most recent entry, the others move down one place, the
-  oldest drops and the pending slot is reset to zero.
+  oldest]`` along its last axis (leading axes, as ``nn.scan`` or ``nnx.vmap``
+  stack the histories of several layers, are updated entry by entry); the
+  matching leaf of ``observed`` is its gradient from ``jax.grad`` (the amax
+  in the pending slot). The pending slot becomes the running max
+  ``max(pending, observed)``, so over the micro-batches of a gradient
+  accumulation it holds the largest amax of any of them (what one large
+  batch would have seen), not the last one; non-finite amaxes are left out.
+  With ``commit`` the pending amax becomes the most recent entry, the others
+  move down one place, the oldest drops and the pending slot is reset to
+  zero.
 
-  Pass ``commit=True`` (the default) for a step without accumulation, and
-  ``commit=mpx.accumulation_boundary(opt_state)`` with ``optax.MultiSteps``.
-  Do not pass the observed amaxes through the optimizer: ``MultiSteps``
-  averages what it accumulates.
+  Pass ``opt_state``, the optimizer state ``tx.update`` just returned: it
+  says whether this step ends an ``optax.MultiSteps`` accumulation (commit)
+  and whether the loss scale skipped it, in which case ``state`` comes back
+  unchanged, as the params do. Without ``opt_state``, ``commit`` (default
+  ``True``: a step without accumulation) decides alone. Do not pass the
+  observed amaxes through the optimizer: ``MultiSteps`` averages what it
+  accumulates.
 
   Args:
     state: the histories (a linen ``"fp8_history"`` collection, an NNX
       ``State`` of :class:`mpx.nnx.Fp8History`, any pytree of them).
     observed: the gradient of the loss with respect to ``state``.
-    commit: a boolean (Python or a scalar array, traceable).
+    commit: a boolean (Python or a scalar array, traceable); ``None`` means
+      ``True``, or what ``opt_state`` says.
+    opt_state: the optimizer state after this step's update, or ``None``.
 
   Returns:
     The new state, with ``state``'s structure and dtypes.
+
+  Raises:
+    ConfigError: both ``commit`` and ``opt_state`` given.
 
   Example:
     >>> import jax.numpy as jnp, mpx
@@ -480,32 +741,87 @@ def update_fp8_state(state: Any, observed: Any, *, commit: Any = True) -> Any:
     >>> mpx.update_fp8_state(history, jnp.array([3.0, 0.0, 0.0]))
     Array([0., 3., 4.], dtype=float32)
   """
-  commit = jnp.asarray(commit, jnp.bool_)
-  return jax.tree.map(lambda h, o: _update_history(h, o, commit), state, observed)
+  if opt_state is None:
+    skipped = jnp.asarray(False)
+    commit = jnp.asarray(True if commit is None else commit, jnp.bool_)
+  elif commit is not None:
+    raise errors.ConfigError(
+      "update_fp8_state got both commit= and opt_state=; pass opt_state (it decides the "
+      "commit and the skip) or commit alone."
+    )
+  else:
+    commit, skipped = _step_outcome(opt_state)
+  return jax.tree.map(
+    lambda h, o: jnp.where(skipped, h, _update_history(h, o, commit)), state, observed
+  )
+
+
+def _unwrap(x: Any) -> Any:
+  # Flax NNX wraps optimizer-state leaves in Variables; read through them.
+  return x.get_value() if hasattr(x, "get_value") else x
+
+
+def _is_multisteps(node: Any) -> bool:
+  return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
+
+
+def _is_loss_scale(node: Any) -> bool:
+  # mpx.LossScaleState, recognised by its fields: this core module imports no optimizer code.
+  return hasattr(node, "consecutive_skips") and hasattr(node, "loss_scale")
+
+
+def _find(tree: Any, is_node: Any) -> list[Any]:
+  found: list[Any] = []
+  jax.tree.map(lambda n: found.append(n) if is_node(n) else None, tree, is_leaf=is_node)
+  return found
+
+
+def _step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
+  """``(commit, skipped)`` for the step whose update returned ``opt_state``.
+
+  ``skipped``: the loss scale skipped this step. Inside ``MultiSteps`` the
+  loss scale runs only at the accumulation boundary, and between boundaries
+  its state still describes the previous one, so only a boundary can be
+  skipped there. ``commit``: an update was applied, at a boundary and not
+  skipped.
+  """
+  multisteps = _find(opt_state, _is_multisteps)
+  if len(multisteps) > 1:
+    raise errors.StateError(
+      f"The optimizer state holds {len(multisteps)} optax.MultiSteps states; fp8 history "
+      "commits need one. Pass commit= to update_fp8_state yourself."
+    )
+  scales = _find(opt_state, _is_loss_scale)
+  if len(scales) > 1:
+    raise errors.StateError(
+      f"The optimizer state holds {len(scales)} loss-scale states; fp8 history updates need "
+      "one to tell a skipped step. Pass commit= to update_fp8_state yourself."
+    )
+  boundary = jnp.asarray(True) if not multisteps else _unwrap(multisteps[0].mini_step) == 0
+  if not scales:
+    return boundary, jnp.asarray(False)
+  skipped = jnp.asarray(_unwrap(scales[0].consecutive_skips)) > 0
+  if multisteps and _find(multisteps[0].inner_opt_state, _is_loss_scale):
+    skipped = skipped & boundary
+  return boundary & ~skipped, skipped
 
 
 def accumulation_boundary(opt_state: Any) -> jax.Array:
   """Whether the optimizer step that produced ``opt_state`` applied an update.
 
   With ``optax.MultiSteps`` that is the last micro-batch of an accumulation
-  (its ``mini_step`` is back at 0); without it, every step.
+  (its ``mini_step`` is back at 0); without it, every step. Never a step the
+  loss scale skipped: its non-finite gradients leave the params untouched.
 
   Args:
     opt_state: the optimizer state returned by ``tx.update``.
 
   Returns:
-    A boolean scalar, for :func:`update_fp8_state`'s ``commit``.
+    A boolean scalar, for :func:`update_fp8_state`'s ``commit``
+    (``update_fp8_state(..., opt_state=opt_state)`` also leaves a skipped
+    step's amaxes out of the pending slot).
+
+  Raises:
+    StateError: more than one ``MultiSteps`` or loss-scale state.
   """
-  found: list[Any] = []
-
-  def visit(node: Any) -> None:
-    if hasattr(node, "mini_step") and hasattr(node, "gradient_step"):
-      found.append(node.mini_step)
-
-  jax.tree.map(visit, opt_state, is_leaf=lambda n: hasattr(n, "mini_step"))
-  if len(found) > 1:
-    raise errors.StateError(
-      f"The optimizer state holds {len(found)} optax.MultiSteps states; fp8 history commits "
-      "need one. Pass commit= to update_fp8_state yourself."
-    )
-  return jnp.asarray(True) if not found else found[0] == 0
+  return _step_outcome(opt_state)[0]

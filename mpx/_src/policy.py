@@ -158,14 +158,19 @@ def _suggestion(word: str, choices: Iterable[str]) -> str:
 
 
 def _parse_string(spec: str) -> Policy:
-  text = spec.strip().lower()
+  text = spec.strip()
+  if text.lower() in PRESETS:
+    text = PRESETS[text.lower()]
+  # Keys, dtype names and presets ignore case; the fp8 recipe lowers all but its axis name.
+  text = ",".join(
+    part if part.strip().lower().startswith("fp8") else part.lower()
+    for part in re.split(r"\s*,\s*", text)
+  )
   if not text:
     raise errors.PolicyError(
       "An empty string is not a precision policy. Write a preset such as "
       f"'mixed_bfloat16' (presets: {', '.join(PRESETS)}) or 'params=f32,compute=bf16'."
     )
-  if text in PRESETS:
-    text = PRESETS[text]
   if "=" not in text:
     if text not in dtypes_lib.VALID_NAMES:
       raise errors.PolicyError(
@@ -182,7 +187,7 @@ def _parse_string(spec: str) -> Policy:
   recipe = None
   for part in re.split(r"\s*,\s*", text):
     key, sep, value = (s.strip() for s in part.partition("="))
-    if sep and key == "fp8":
+    if sep and key.lower() == "fp8":
       try:
         recipe = fp8_lib.parse_recipe(value)
       except errors.PolicyError as e:
@@ -232,7 +237,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
 
   Dtype names are ``float32|f32|fp32|full|single``, ``bfloat16|bf16``,
   ``float16|f16|fp16|half`` and ``float64|f64|fp64|double``; case and
-  whitespace are ignored. Every string ``jmp.get_policy`` accepts gives the
+  whitespace are ignored, except in the fp8 recipe's axis name (JAX's axis
+  names are case-sensitive). Every string ``jmp.get_policy`` accepts gives the
   same policy here, with one deliberate difference: ``half`` is IEEE float16
   on every platform (jmp picks bfloat16 on TPU), so that one config string
   means the same numerics everywhere.

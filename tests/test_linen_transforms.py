@@ -275,14 +275,8 @@ def _llama_setup(preset: str, *, scan: bool = True):
     grad_fn = mpx.value_and_grad(loss_fn, opt_state, argnums=(0, 1))
     loss, (grads, observed) = grad_fn(params, history, inputs, targets)
     updates, opt_state = tx.update(grads, opt_state, params)
-    # The scanned layers' histories are stacked (layers, history + 1): one update per layer.
-    history = jax.tree.map(
-      lambda h, o: (
-        jax.vmap(mpx.update_fp8_state)(h, o) if h.ndim == 2 else mpx.update_fp8_state(h, o)
-      ),
-      history,
-      observed,
-    )
+    # The scanned layers' histories are stacked (layers, history + 1), one row per layer.
+    history = mpx.update_fp8_state(history, observed)
     return mpx.apply_updates(params, updates, opt_state), history, opt_state, loss
 
   return policy, params, history, tx, train_step, (inputs, targets)

@@ -301,7 +301,7 @@ def test_llama_decoder_scanned_over_remat_blocks_trains_under_every_preset(prese
     assert leaf.dtype == policy.param_dtype and bool(jnp.isfinite(leaf).all())
   for leaf in jax.tree.leaves(history):
     assert leaf.dtype == jnp.float32 and bool(jnp.isfinite(leaf).all())
-    assert bool(jnp.any(leaf[..., 1] > 0))  # a committed amax in every history
+    assert bool(jnp.all(leaf[..., 1] > 0))  # a committed amax in every (per-layer) history
 
 
 def _signature(op):

@@ -129,6 +129,85 @@ class Decoder(nn.Module):
 
 
 # ---------------------------------------------------------------------------
+# Linen Llama-style decoder: blocks under nn.scan over nn.remat, as large models write them.
+# ---------------------------------------------------------------------------
+
+
+class GatedMlp(nn.Module):
+  """SwiGLU MLP: ``down(silu(gate(x)) * up(x))``, no biases."""
+
+  hidden: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    gate = nn.Dense(self.hidden, use_bias=False, name="gate")(x)
+    up = nn.Dense(self.hidden, use_bias=False, name="up")(x)
+    return nn.Dense(x.shape[-1], use_bias=False, name="down")(nn.silu(gate) * up)
+
+
+class LlamaBlock(nn.Module):
+  """Pre-norm block: RMSNorm, causal self-attention, RMSNorm, gated MLP, with residuals."""
+
+  num_heads: int
+  mlp_hidden: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    x = x + CausalSelfAttention(self.num_heads, name="attention")(nn.RMSNorm(name="attn_norm")(x))
+    return x + GatedMlp(self.mlp_hidden, name="mlp")(nn.RMSNorm(name="mlp_norm")(x))
+
+
+class ScannedLlamaBlock(nn.Module):
+  """One iteration of the decoder's ``nn.scan``: a rematerialised :class:`LlamaBlock`."""
+
+  num_heads: int
+  mlp_hidden: int
+
+  @nn.compact
+  def __call__(self, x: jax.Array, _: None) -> tuple[jax.Array, None]:
+    return nn.remat(LlamaBlock)(self.num_heads, self.mlp_hidden, name="block")(x), None
+
+
+class LlamaDecoder(nn.Module):
+  """A small Llama-style decoder: token embedding, blocks, final RMSNorm, head.
+
+  Attributes:
+    vocab_size: number of tokens.
+    features: model width.
+    num_heads: attention heads per block.
+    num_layers: blocks.
+    mlp_hidden: hidden width of each gated MLP.
+    scan: run the ``nn.remat`` blocks under ``nn.scan`` (params and the
+      ``"fp8_history"`` collection of delayed fp8 stacked on a leading layer
+      axis); ``False`` unrolls them in a Python loop, the same arithmetic.
+  """
+
+  vocab_size: int = VOCAB_SIZE
+  features: int = 32
+  num_heads: int = 2
+  num_layers: int = 2
+  mlp_hidden: int = 64
+  scan: bool = True
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    x = nn.Embed(self.vocab_size, self.features, name="tok_embed")(tokens)
+    if self.scan:
+      blocks = nn.scan(
+        ScannedLlamaBlock,
+        variable_axes={"params": 0, "fp8_history": 0},
+        split_rngs={"params": True},
+        length=self.num_layers,
+      )
+      x, _ = blocks(self.num_heads, self.mlp_hidden, name="layers")(x, None)
+    else:
+      for i in range(self.num_layers):
+        x = nn.remat(LlamaBlock)(self.num_heads, self.mlp_hidden, name=f"layers_{i}")(x)
+    x = nn.RMSNorm(name="final_norm")(x)
+    return nn.Dense(self.vocab_size, use_bias=False, name="head")(x)
+
+
+# ---------------------------------------------------------------------------
 # Linen ResNet-style CNN with BatchNorm.
 # ---------------------------------------------------------------------------
 

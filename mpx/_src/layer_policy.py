@@ -80,7 +80,8 @@ class LayerPolicies:
     self._lean_norm_kinds = dict(lean_norm_kinds or {}) if rules.lean_norms else {}
     self._parent_of = parent_of
     self._path_of = path_of
-    self._resolved: dict[int, policy_lib.Policy] = {}
+    # Keyed by path: linen builds several short-lived copies of a layer per call.
+    self._resolved: dict[str, policy_lib.Policy] = {}
     self._matched: set[str] = set()
     self._seen: set[str] = set()
 
@@ -110,16 +111,15 @@ class LayerPolicies:
     Returns:
       Its keep rule's policy, else its parent's policy, else the model's.
     """
-    key = id(module)
-    if key not in self._resolved:
-      path = self._path_of(module)
+    path = self._path_of(module)
+    if path not in self._resolved:
       self._seen.add(path)
       own = self._own_policy(module, path)
       if own is None:
         parent = self._parent_of(module)
         own = self.policy if parent is None else self.policy_at(parent)
-      self._resolved[key] = own
-    return self._resolved[key]
+      self._resolved[path] = own
+    return self._resolved[path]
 
   def boundary(self, module: Any) -> tuple[np.dtype, np.dtype] | None:
     """Returns the dtypes a call of ``module`` casts to, or ``None`` when it does not cast.

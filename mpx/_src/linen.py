@@ -5,10 +5,12 @@ Linen builds a fresh bound copy of every module on each ``init`` / ``apply`` /
 adoption, ``@nn.compact`` and ``setup`` children are constructed anew), and
 every method of such a copy, ``setup`` included, passes through
 ``nn.intercept_methods`` before its body runs. On a copy's first call the
-interceptor resolves its policy (``mpx._src.layer_policy``) and writes it into
-the copy's fields, which the body then reads; the user's module objects are
-never touched. A float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
-half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
+interceptor resolves its policy (``mpx._src.layer_policy``, by module path)
+and writes it into the copy's fields, which the body then reads; the user's
+module objects are never touched. The copies Flax's lifted transforms build
+have a ``Scope`` for parent: their enclosing layer is the one seen at the
+longest shorter path, so only the model itself is the root. A float32
+``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision parent is computed by ``mpx._src.norm_layers`` on the copy's own
 params and statistics instead of its body (after ``init``, which runs Flax's
 code to create them). The user-facing account is :func:`apply_policy`'s
 docstring.
@@ -179,11 +181,6 @@ def _round_params(result: Any, param_dtypes: dict[tuple[str, ...], np.dtype]) ->
   return jax.tree_util.tree_map_with_path(round_leaf, result)
 
 
-def _parent(module: nn.Module) -> nn.Module | None:
-  parent = module.parent
-  return parent if isinstance(parent, nn.Module) else None
-
-
 def _path(module: nn.Module) -> str:
   return layer_policy.join_path(module.path)
 
@@ -256,21 +253,38 @@ class PolicyModel:
     return getattr(self.module, name)
 
   def _run(self, fn: Any, args: Any, kwargs: Any, *, initializing: bool = False) -> Any:
+    # The first layer seen at each path in this call. The layers Flax builds inside a
+    # lifted transform (nn.scan, nn.remat, nn.jit, nn.vmap) have a Scope for parent;
+    # the layer that encloses them is the one at the longest shorter path, which is
+    # running the transform and so was seen first.
+    at_path: dict[tuple[str, ...], nn.Module] = {}
+
+    def parent_of(module: nn.Module) -> nn.Module | None:
+      if isinstance(module.parent, nn.Module):
+        return module.parent
+      path = tuple(module.path)
+      prefixes = (path[:n] for n in range(len(path) - 1, -1, -1))
+      return next((at_path[p] for p in prefixes if p in at_path), None)
+
     layers = layer_policy.LayerPolicies(
       self.policy,
       self.rules,
       norm_classes=DEFAULT_KEEP_CLASSES,
-      parent_of=_parent,
+      parent_of=parent_of,
       path_of=_path,
       lean_norm_kinds=_LEAN_NORM_KINDS,
     )
     param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-    depth: dict[int, int] = {}  # casting calls in progress, per configured layer
+    # The copies configured in this call, by id: holding them until the call ends
+    # keeps a later copy from reusing the id of one Flax has freed (nn.jit, nn.remat).
+    configured: dict[int, nn.Module] = {}
+    in_cast: set[int] = set()  # the copies whose casting call is in progress
 
     def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
       module = context.module
       key = id(module)
-      if key not in depth:
+      if key not in configured:
+        at_path.setdefault(tuple(module.path), module)
         policy = layers.policy_at(module)
         param_dtypes[tuple(module.path)] = policy.param_dtype
         fields = {f.name for f in dataclasses.fields(module)}
@@ -285,7 +299,7 @@ class PolicyModel:
         )
         if policy.fp8 is not None:
           _configure_fp8(module, policy.fp8, fields)
-        depth[key] = 0
+        configured[key] = module
       # Only the outermost method call of a layer casts (a method calling
       # another of the same layer stays inside it), and setup never does.
       recipe = layers.policy_at(module).fp8
@@ -293,7 +307,7 @@ class PolicyModel:
         # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
         next_fun = functools.partial(_fp8_einsum_call, module, recipe)
       boundary = layers.boundary(module)
-      if boundary is None or context.method_name == "setup" or depth[key]:
+      if boundary is None or context.method_name == "setup" or key in in_cast:
         return next_fun(*f_args, **f_kwargs)
       inner, outer = boundary
       kind = layers.lean_norm(module)
@@ -302,11 +316,11 @@ class PolicyModel:
         if out is not None:
           return out
       f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
-      depth[key] += 1
+      in_cast.add(key)
       try:
         out = next_fun(*f_args, **f_kwargs)
       finally:
-        depth[key] -= 1
+        in_cast.discard(key)
       return casting.cast_tree(out, outer)
 
     with nn.intercept_methods(interceptor):
@@ -436,6 +450,15 @@ def apply_policy(
   the param dtype, so every policy starts from the float32 run's initial
   weights. Other collections (``batch_stats``) are created by the layers
   themselves, so a norm kept in float32 keeps float32 statistics.
+
+  Lifted transforms: the layers inside ``nn.scan``, ``nn.remat`` /
+  ``nn.checkpoint``, ``nn.jit`` and ``nn.vmap`` (Flax builds them with a
+  ``Scope``, not the enclosing module, for parent) are placed by their path:
+  their parent is the layer at the longest shorter path, so keep rules on an
+  enclosing layer reach them and only the model itself casts to the output
+  dtype. With delayed fp8, give the ``"fp8_history"`` collection to
+  ``nn.scan`` / ``nn.vmap`` as ``variable_axes`` (a history per layer) or
+  ``variable_broadcast`` (one shared history).
 
   Limits: the returned :class:`PolicyModel` is not a ``flax.linen.Module``;
   wrap the outermost model. A layer that ignores ``dtype`` (a hand-written

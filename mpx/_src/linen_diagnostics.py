@@ -16,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+from flax.core import tracers
 
 from mpx._src import activations, histogram, layer_policy, locate
 
@@ -25,12 +26,20 @@ def _run(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
 
   def run(recorder: activations.Recorder, params: Any, args: tuple) -> Any:
     active: set[int] = set()
+    trace = tracers.current_trace()
 
     def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
       module = context.module
       key = id(module)
       # setup builds submodules; a method calling another of its module stays inside it.
-      if context.method_name == "setup" or key in active or module.scope is None:
+      # A call in another trace (inside nn.scan, nn.remat, nn.jit...) is not tapped:
+      # its statistics would be tracers of that trace, leaked out of it.
+      if (
+        context.method_name == "setup"
+        or key in active
+        or module.scope is None
+        or tracers.current_trace() != trace
+      ):
         return next_fun(*f_args, **f_kwargs)
       name = activations.module_key(layer_policy.join_path(module.path), context.method_name)
       active.add(key)
@@ -77,7 +86,8 @@ def collect_activations(
   Cost: one abstract trace to find the shapes, one compilation, and one
   forward and backward pass that keeps a statistic per module call (a
   histogram is 279 int32 counts). Module calls inside lifted transforms
-  (``nn.scan``, ``nn.remat``) are not tapped.
+  (``nn.scan``, ``nn.remat``, ``nn.jit``, ``nn.vmap``) are not tapped: the
+  call of the layer that runs the transform is, with its input and output.
 
   Args:
     loss_fn: ``(params, *args) -> loss``, a floating scalar; calls the linen

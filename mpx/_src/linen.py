@@ -368,10 +368,25 @@ class PolicyModel:
       *args: as for ``module.apply``.
       **kwargs: as for ``module.apply``.
 
+    Delayed fp8 histories (the ``"fp8_history"`` collection) enter typed by
+    :func:`mpx.fp8_max_grad`, so a history read by several calls (a shared
+    layer, ``nn.scan`` with the collection in ``variable_broadcast``) gets
+    the max of their amaxes as its gradient, not their sum.
+
+    Args:
+      *args: as for ``module.apply``.
+      **kwargs: as for ``module.apply``.
+
     Returns:
       What ``module.apply`` returns, floating outputs in the policy's output
       dtype.
     """
+    variables = args[0] if args else None
+    if hasattr(variables, "keys") and FP8_COLLECTION in variables:  # pyright: ignore[reportOperatorIssue]
+      # Typed where they enter, before any layer reads them: autodiff combines the
+      # reads of a shared history at that point (see fp8_max_grad).
+      histories = fp8_lib.fp8_max_grad(variables[FP8_COLLECTION])  # pyright: ignore[reportOptionalSubscript]
+      args = ({**variables, FP8_COLLECTION: histories}, *args[1:])  # pyright: ignore[reportGeneralTypeIssues]
     return self._run(self.module.apply, args, kwargs)
 
   def tabulate(self, *args: Any, **kwargs: Any) -> str:

@@ -43,10 +43,10 @@ def cached(monkeypatch, diagnosis):
   [
     (["--dtype", "float17"], "argument --dtype: 'float17' is not a format"),
     (["--dtype", "float32"], "argument --dtype: 'float32' is not a format"),
-    (["--steps", "0"], "argument --steps: 0 is not positive"),
-    (["--depth", "-3"], "argument --depth: -3 is not positive"),
+    (["--steps", "0"], "argument --steps: 0 is too small: pass 1 or more"),
+    (["--depth", "-3"], "argument --depth: -3 is too small: pass 1 or more"),
     (["--steps", "ten"], "argument --steps: 'ten' is not an integer"),
-    (["--seed", "-1"], "argument --seed: -1 is negative"),
+    (["--seed", "-1"], "argument --seed: -1 is too small: pass 0 or more"),
     (["--plots", "maybe"], "argument --plots: invalid choice"),
   ],
 )

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -285,24 +286,19 @@ def text_report(diagnosis: Diagnosis) -> str:
   )
 
 
-def _positive_int(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"{value} is not positive: pass 1 or more")
-  return value
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+  """An argparse type: an integer of at least ``minimum``, else a message saying so."""
 
+  def parse(text: str) -> int:
+    try:
+      value = int(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+      raise argparse.ArgumentTypeError(f"{value} is too small: pass {minimum} or more")
+    return value
 
-def _seed(text: str) -> int:
-  try:
-    value = int(text)
-  except ValueError:
-    raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-  if value < 0:
-    raise argparse.ArgumentTypeError(f"{value} is negative: pass 0 or more")
-  return value
+  return parse
 
 
 def _target_format(text: str) -> str:
@@ -347,12 +343,17 @@ def build_parser() -> argparse.ArgumentParser:
     "format with subnormals)",
   )
   parser.add_argument(
-    "--steps", type=_positive_int, default=200, help="training steps of the loss-scale trajectory"
+    "--steps",
+    type=_int_at_least(1),
+    default=200,
+    help="training steps of the loss-scale trajectory",
   )
   parser.add_argument(
-    "--depth", type=_positive_int, default=10, help="hidden layers of the built-in MLP"
+    "--depth", type=_int_at_least(1), default=10, help="hidden layers of the built-in MLP"
   )
-  parser.add_argument("--seed", type=_seed, default=0, help="seed of the data and the weights")
+  parser.add_argument(
+    "--seed", type=_int_at_least(0), default=0, help="seed of the data and the weights"
+  )
   parser.add_argument(
     "--plots",
     choices=("auto", "always", "never"),

@@ -6,7 +6,7 @@ the device or the GPU-compiled HLO, so nothing of it runs on a CPU (except
 
 Peaks are NVIDIA's dense (no structured sparsity) bfloat16 Tensor Core
 figures from the datasheets, from the table the audit's time estimate uses
-(``mpx._src.device_peaks``: H100 SXM 989 TFLOP/s, H100 PCIe 756, H200 989,
+(``mpx._src.audit.device_peaks``: H100 SXM 989 TFLOP/s, H100 PCIe 756, H200 989,
 A100 312, L40S 362, L4 121); MFU is the matmul FLOPs of one step (forward and
 backward, from :func:`mpx.audit`) per second over that peak, for every
 configuration alike (a float32 step is measured against the bfloat16 peak
@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from mpx._src import device_peaks
+from mpx._src.audit import device_peaks
 
 
 def is_gpu() -> bool:

@@ -36,7 +36,7 @@ import numpy as np
 import optax
 
 import mpx
-from mpx._src import finite_check
+from mpx._src.scaling import finite_check
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _gpt

@@ -8,7 +8,7 @@ options and their defaults. The PNGs need matplotlib
 printed all the same (``--plots always`` makes a missing matplotlib an error).
 """
 
-from mpx._src.diagnose import main
+from mpx.demo._diagnose import main
 
 if __name__ == "__main__":
   main()

@@ -7,13 +7,13 @@ its params (see its docstring for what each layer receives);
 default.
 """
 
-from mpx._src.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
-from mpx._src.nnx import Fp8DotGeneral as Fp8DotGeneral
-from mpx._src.nnx import Fp8Einsum as Fp8Einsum
-from mpx._src.nnx import Fp8History as Fp8History
-from mpx._src.nnx import apply_policy as apply_policy
-from mpx._src.nnx_diagnostics import collect_activations as collect_activations
-from mpx._src.nnx_diagnostics import locate_nonfinite as locate_nonfinite
+from mpx._src.adapters.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
+from mpx._src.adapters.nnx import Fp8DotGeneral as Fp8DotGeneral
+from mpx._src.adapters.nnx import Fp8Einsum as Fp8Einsum
+from mpx._src.adapters.nnx import Fp8History as Fp8History
+from mpx._src.adapters.nnx import apply_policy as apply_policy
+from mpx._src.diagnostics.nnx_taps import collect_activations as collect_activations
+from mpx._src.diagnostics.nnx_taps import locate_nonfinite as locate_nonfinite
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",

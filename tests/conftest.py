@@ -8,6 +8,7 @@ change no floating-point result.
 """
 
 import os
+import pathlib
 
 os.environ["XLA_FLAGS"] = " ".join(
   [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
@@ -25,16 +26,16 @@ def _strict_promotion():
     yield
 
 
-# Tests of the repository around the library (docs pages, the demo, the examples, the
-# benchmark scripts, multi-process runs) are marked ``repo``: ``pytest -m "not repo"`` is
-# the fast unit loop, ``pytest`` (what CI runs) is everything.
-_REPO_MODULES = frozenset(
-  {"test_docs.py", "test_demo.py", "test_examples.py", "test_benchmarks.py", "test_multiprocess.py"}
-)
+# The tests mirror the packages of mpx/_src (tests/scaling, tests/optim, ...); tests/integration
+# trains models end to end through several packages; tests/repo tests the repository around the
+# library (docs pages, the demo, the examples, the benchmark scripts, multi-process runs) and its
+# tests are marked ``repo``: ``pytest -m "not repo"`` is the fast unit loop, ``pytest`` (what CI
+# runs) is everything.
+_REPO = pathlib.Path(__file__).resolve().parent / "repo"
 
 
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
-    if item.path.name in _REPO_MODULES:
+    if _REPO in item.path.resolve().parents:
       item.add_marker(pytest.mark.repo)

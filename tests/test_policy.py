@@ -13,8 +13,8 @@ import pytest
 from hypothesis import strategies as st
 
 import mpx
-from mpx._src import fp8 as fp8_lib
 from mpx._src import policy as policy_lib
+from mpx._src import recipe as recipe_lib
 
 F32, BF16, F16, F64 = (np.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64))
 FAST = hypothesis.settings(max_examples=40, deadline=None, derandomize=True)
@@ -352,7 +352,7 @@ def _policy(draw):
 def test_str_of_any_policy_and_recipe_parses_back(policy):
   assert mpx.get_policy(str(policy)) == policy
   if policy.fp8 is not None:
-    assert fp8_lib.parse_recipe(str(policy.fp8)) == policy.fp8
+    assert recipe_lib.parse_recipe(str(policy.fp8)) == policy.fp8
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ import numpy as np
 
 from mpx._src import casting, errors
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import fp8 as fp8_lib
+from mpx._src import recipe as recipe_lib
 
 T = TypeVar("T")
 
@@ -77,15 +77,15 @@ class Policy:
   param_dtype: np.dtype
   compute_dtype: np.dtype
   output_dtype: np.dtype
-  fp8: fp8_lib.Fp8Recipe | None = None
+  fp8: recipe_lib.Fp8Recipe | None = None
 
   def __post_init__(self) -> None:
     for name in _DTYPE_FIELDS:
       object.__setattr__(self, name, dtypes_lib.parse_dtype(getattr(self, name)))
     if isinstance(self.fp8, str):
-      object.__setattr__(self, "fp8", fp8_lib.parse_recipe(self.fp8))
+      object.__setattr__(self, "fp8", recipe_lib.parse_recipe(self.fp8))
     if self.fp8 is not None:
-      if not isinstance(self.fp8, fp8_lib.Fp8Recipe):
+      if not isinstance(self.fp8, recipe_lib.Fp8Recipe):
         raise errors.PolicyError(
           f"fp8 must be None, an mpx.Fp8Recipe or a recipe string such as 'delayed', got "
           f"{self.fp8!r}."
@@ -189,7 +189,7 @@ def _parse_string(spec: str) -> Policy:
     key, sep, value = (s.strip() for s in part.partition("="))
     if sep and key.lower() == "fp8":
       try:
-        recipe = fp8_lib.parse_recipe(value)
+        recipe = recipe_lib.parse_recipe(value)
       except errors.PolicyError as e:
         raise errors.PolicyError(f"In the policy {spec!r}: {e}") from e
       continue

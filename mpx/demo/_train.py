@@ -27,9 +27,9 @@ import numpy as np
 import optax
 
 import mpx
-from mpx._src.progress import Progress
 from mpx.demo._configs import RunConfig
 from mpx.demo._model import CharTransformer
+from mpx.demo._progress import Progress
 from mpx.demo._settings import Data, Settings
 
 

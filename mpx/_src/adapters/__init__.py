@@ -1,0 +1,1 @@
+"""The Flax adapters: keep rules, layer policies, lean norms, linen and NNX."""

@@ -1,0 +1,136 @@
+"""A Flax normalisation layer's call, computed by the lean float32 kernels instead of Flax's code.
+
+Where a ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` computes in float32 inside
+a half-precision parent, the adapters hand its call here instead of casting
+its input to float32 and running Flax's body: the layer's own params and
+running statistics (read and written through the adapter's accessors) go
+through :mod:`mpx._src.ops.normalization`, whose backward pass saves the
+half-precision input and float32 per-row statistics only. The layer object,
+its params, their names and the statistics update stay Flax's. Flax-free: the
+layer's configuration is read from the attributes both Flax APIs share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from mpx._src import tree as tree_lib
+from mpx._src.ops import normalization
+
+#: The layer kinds the kernels cover: Flax's LayerNorm, RMSNorm and BatchNorm.
+KINDS = ("layer", "rms", "batch")
+
+Param = Callable[[str, tuple[int, ...]], jax.Array]
+Stats = Callable[[tuple[int, ...]], tuple[jax.Array, jax.Array]]
+SetStats = Callable[[jax.Array, jax.Array], None]
+
+
+def _parse(kind: str, args: tuple, kwargs: dict) -> tuple[Any, Any] | None:
+  """``(x, use_running_average)`` of a call, or ``None`` for a call the kernels do not cover."""
+  if not args:
+    return None
+  x, *rest = args
+  kwargs = dict(kwargs)
+  use_running_average = kwargs.pop("use_running_average", None) if kind == "batch" else None
+  if kind == "batch" and rest:
+    use_running_average = rest.pop(0)
+  mask = kwargs.pop("mask", None)
+  if kind == "rms" and rest:  # NNX's RMSNorm takes the mask positionally.
+    mask = rest.pop(0)
+  if rest or kwargs or mask is not None or not tree_lib.is_floating_array(x):
+    return None
+  return x, use_running_average
+
+
+def call(
+  layer: Any,
+  kind: str,
+  args: tuple,
+  kwargs: dict,
+  *,
+  dtype: Any,
+  param: Param,
+  stats: Stats,
+  set_stats: SetStats,
+  call_overrides_attribute: bool,
+) -> jax.Array | None:
+  """Computes one call of a Flax normalisation layer with the lean kernels.
+
+  Args:
+    layer: the linen or NNX layer (its ``epsilon``, ``use_scale``,
+      ``use_bias``, ``reduction_axes`` / ``feature_axes`` or ``axis``,
+      ``momentum``, ``use_running_average``, ``use_fast_variance`` and
+      ``axis_name`` are read).
+    kind: ``"layer"``, ``"rms"`` or ``"batch"``.
+    args: the call's positional arguments.
+    kwargs: the call's keyword arguments.
+    dtype: the dtype of the output (the parent's compute dtype).
+    param: ``(name, shape) -> value`` of the layer's ``scale`` / ``bias``.
+    stats: ``shape -> (mean, var)``, the running statistics (BatchNorm).
+    set_stats: writes new running statistics (BatchNorm in train mode).
+    call_overrides_attribute: whether a ``use_running_average`` argument wins
+      over the attribute (NNX); otherwise setting both is Flax's error (linen).
+
+  Returns:
+    The layer's output in ``dtype``, or ``None`` for a call the kernels do not
+    cover (a ``mask``, statistics averaged over a named device axis, an
+    unknown argument): the adapter then runs Flax's own code.
+  """
+  parsed = _parse(kind, args, kwargs)
+  if parsed is None or getattr(layer, "axis_name", None) is not None:
+    return None
+  x, use_running_average = parsed
+  ndim = x.ndim
+  if kind == "batch":
+    feature_axes = normalization.canonical_axes(ndim, layer.axis)
+    reduction_axes = tuple(a for a in range(ndim) if a not in feature_axes)
+    attribute = layer.use_running_average
+    if use_running_average is None:
+      use_running_average = attribute
+    elif attribute is not None and not call_overrides_attribute:
+      return None
+    if use_running_average is None:
+      return None
+  else:
+    feature_axes = normalization.canonical_axes(ndim, layer.feature_axes)
+    reduction_axes = normalization.canonical_axes(ndim, layer.reduction_axes)
+  shape = tuple(x.shape[a] for a in feature_axes)
+  scale = param("scale", shape) if layer.use_scale else None
+  bias = param("bias", shape) if kind != "rms" and layer.use_bias else None
+  if kind == "batch" and use_running_average:
+    mean, var = stats(shape)
+    return normalization.normalize_with_statistics(
+      x,
+      mean,
+      var,
+      scale,
+      bias,
+      reduction_axes=reduction_axes,
+      feature_axes=feature_axes,
+      epsilon=layer.epsilon,
+      dtype=dtype,
+    )
+  y, mean, var = normalization.normalize(
+    x,
+    scale,
+    bias,
+    reduction_axes=reduction_axes,
+    feature_axes=feature_axes,
+    epsilon=layer.epsilon,
+    subtract_mean=kind != "rms",
+    fast_variance=layer.use_fast_variance,
+    dtype=dtype,
+  )
+  if kind == "batch":
+    old_mean, old_var = stats(shape)
+    momentum = layer.momentum
+    # The update is not part of the loss: no gradient flows into it.
+    mean, var = jax.lax.stop_gradient((mean, var))
+    set_stats(
+      momentum * old_mean + (1 - momentum) * mean.astype(old_mean.dtype),
+      momentum * old_var + (1 - momentum) * var.astype(old_var.dtype),
+    )
+  return y

@@ -1,0 +1,1 @@
+"""Diagnostics: float bits, histograms, range reports, activation taps, the locator, plots."""

@@ -1,0 +1,389 @@
+"""Float8 matmuls: the scaling recipes, the quantise-dequantise dot, and the amax-history state.
+
+Micikevicius et al., *FP8 Formats for Deep Learning* (2022): E4M3 (max 448)
+for the forward operands, E5M2 (max 57,344) for the gradients, each tensor
+multiplied by a per-tensor scale that moves its largest magnitude (amax) to
+the top of the format, products accumulated in float32.
+
+The dot is written in the form XLA:GPU rewrites into a cuBLASLt float8 GEMM:
+scale, clamp to the format's max, cast to float8, cast back and multiply by
+the scale, then ``dot_general``. On other backends the same program runs with
+the exact float8 rounding. Scales are powers of two, so dividing and
+multiplying by them is exact in bfloat16 and float32: the dequantised tensor
+is exactly ``ml_dtypes``' rounding of ``x / s``, times ``s``.
+
+Delayed scaling keeps, per tensor, one float32 array of ``history_length + 1``
+entries: ``[pending, most recent, ..., oldest]``. The forward pass reads the
+committed part to choose the scale (or, while nothing is committed, the
+tensor's own amax); the amax each call observes comes back as the *gradient*
+of the pending slot, combined over the calls that share a history by ``max``
+(:func:`fp8_max_grad`), and :func:`update_fp8_state` folds it in (a running
+max over micro-batches) and, at an accumulation boundary not skipped by the
+loss scale, commits it to the history. Core module: imports neither Flax nor
+optax.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import errors
+from mpx._src.ops.amax_grad import as_float32, fp8_max_grad
+from mpx._src.recipe import Fp8Recipe
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+E5M2 = np.dtype(jnp.float8_e5m2)
+
+
+def fp8_max(dtype: Any) -> float:
+  """The largest finite value of a float8 format (448 for E4M3, 57,344 for E5M2)."""
+  return float(jnp.finfo(dtype).max)
+
+
+def amax(x: jax.Array, axis_name: str | None = None) -> jax.Array:
+  """The largest magnitude of ``x`` as a float32 scalar, reduced over ``axis_name`` if given.
+
+  Args:
+    x: any floating array.
+    axis_name: a named axis to ``pmax`` over, or ``None``.
+
+  Returns:
+    A float32 scalar (NaN if ``x`` holds a NaN).
+  """
+  value = jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return value if axis_name is None else jax.lax.pmax(value, axis_name)
+
+
+def scale_for(amax_value: jax.Array, dtype: Any, *, margin: int = 0) -> jax.Array:
+  """The power-of-two scale that maps ``amax_value`` to at most ``fp8_max(dtype) / 2**margin``.
+
+  ``x / s`` then fits the format; ``s`` is a power of two, so both the
+  division and the dequantising product are exact.
+
+  Args:
+    amax_value: a float32 scalar.
+    dtype: the float8 format.
+    margin: headroom in powers of two.
+
+  Returns:
+    A float32 scalar; 1 where ``amax_value`` is zero or not finite.
+  """
+  ratio = amax_value / jnp.float32(fp8_max(dtype) / 2.0**margin)
+  mantissa, exponent = jnp.frexp(ratio)  # ratio = m * 2**e, 0.5 <= m < 1
+  exponent = exponent - (mantissa == 0.5).astype(exponent.dtype)
+  usable = (amax_value > 0) & jnp.isfinite(amax_value)
+  return jnp.where(usable, jnp.ldexp(jnp.float32(1.0), exponent), jnp.float32(1.0))
+
+
+def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
+  """Rounds ``x / scale`` to a float8 format, saturating finite values at its max.
+
+  Args:
+    x: a floating array.
+    dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+    scale: a float32 scalar (a power of two from :func:`scale_for`).
+
+  Returns:
+    ``x / scale`` in ``dtype``: finite values beyond the max become the max
+    (with their sign), NaN stays NaN, infinities follow the format
+    (E5M2 keeps them, E4M3FN has none and gives NaN).
+  """
+  wide = _scale_dtype(x.dtype)
+  limit = jnp.asarray(fp8_max(dtype), wide)
+  scaled = x.astype(wide) / scale.astype(wide)
+  clamped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -limit, limit), scaled)
+  return clamped.astype(dtype)
+
+
+def _scale_dtype(dtype: Any) -> np.dtype:
+  """The dtype scaling by a power of two is exact in: ``dtype``, or float32 if its range is narrower.
+
+  A float32 scale may lie outside float16's range (below ``2**-24`` for a
+  float16 tensor of amax under about ``1e-5``): cast to float16 it would
+  become 0 or inf. bfloat16 has float32's exponent range.
+  """
+  if jnp.finfo(dtype).maxexp < jnp.finfo(jnp.float32).maxexp:
+    return np.dtype(np.float32)
+  return np.dtype(dtype)
+
+
+def dequantize(q: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+  """``q`` cast to ``dtype`` and multiplied by ``scale``: the form XLA fuses into a float8 GEMM.
+
+  Args:
+    q: a float8 array.
+    scale: its float32 scale.
+    dtype: the compute dtype.
+
+  Returns:
+    The dequantised array in ``dtype``.
+  """
+  wide = _scale_dtype(dtype)
+  return (q.astype(wide) * scale.astype(wide)).astype(dtype)
+
+
+def quantize_dequantize(
+  x: jax.Array,
+  dtype: Any,
+  *,
+  scale: jax.Array | None = None,
+  margin: int = 0,
+  straight_through: bool = False,
+) -> jax.Array:
+  """``x`` rounded through a float8 format and back, with current scaling unless ``scale`` is given.
+
+  Its gradient, by default, is what autodiff makes of the casts: the
+  cotangent is itself rounded to the float8 format (scaled like ``x``), and
+  zero where ``x`` saturated. With ``straight_through=True`` (the
+  straight-through estimator, as torchao's differentiable float8 casts) the
+  cotangent passes unchanged where ``x / scale`` is within the format's
+  range, and is zero where it saturated, since the output stays at the max
+  there.
+
+  Args:
+    x: a floating array.
+    dtype: the float8 format.
+    scale: the scale; ``None`` uses :func:`scale_for` of ``x``'s own amax.
+    margin: headroom for the current scale.
+    straight_through: whether the gradient is the identity within range.
+
+  Returns:
+    An array of ``x``'s dtype and shape.
+
+  Example:
+    >>> import jax.numpy as jnp, mpx
+    >>> x = jnp.array([1.0, 0.3, -500.0])
+    >>> mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=jnp.float32(1.0))
+    Array([ 1.000e+00,  3.125e-01, -4.480e+02], dtype=float32)
+  """
+  if scale is None:
+    scale = scale_for(amax(x), dtype, margin=margin)
+  if straight_through:
+    return _straight_through(x, scale, np.dtype(dtype))
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _straight_through(x: jax.Array, scale: jax.Array, dtype: np.dtype) -> jax.Array:
+  return dequantize(quantize(x, dtype, scale), scale, x.dtype)
+
+
+def _straight_through_fwd(
+  x: jax.Array, scale: jax.Array, dtype: np.dtype
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+  return _straight_through(x, scale, dtype), (x, scale)
+
+
+def _straight_through_bwd(
+  dtype: np.dtype, residuals: tuple[jax.Array, jax.Array], g: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  x, scale = residuals
+  wide = _scale_dtype(x.dtype)
+  saturated = jnp.abs(x.astype(wide) / scale.astype(wide)) > fp8_max(dtype)
+  return jnp.where(saturated, jnp.zeros_like(g), g), jnp.zeros_like(scale)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def _history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The delayed scale from ``[pending, most recent, ..., oldest]`` (1 while it is empty).
+
+  It depends on the history alone, never on the tensor being quantised, so the
+  quantisation need not wait for that tensor's amax (XLA can compute the amax
+  in the same pass that quantises).
+  """
+  committed = as_float32(history)[..., 1:]
+  reference = jnp.max(committed, axis=-1) if recipe.reduction == "max" else committed[..., 0]
+  return scale_for(reference, dtype, margin=recipe.margin)
+
+
+def _observed(history: jax.Array, value: jax.Array) -> jax.Array:
+  """The cotangent of a history: ``value`` in the pending slot, zeros elsewhere."""
+  cotangent = jnp.zeros(history.shape, jnp.float32).at[..., 0].set(value.astype(jnp.float32))
+  return jax.lax.convert_element_type(cotangent, history.dtype)
+
+
+def _scales(
+  recipe: Fp8Recipe,
+  states: Sequence[jax.Array] | None,
+  tensors: Sequence[jax.Array],
+  amaxes: Sequence[jax.Array],
+  dtype: Any,
+) -> list[jax.Array]:
+  if states is None:
+    return [scale_for(a, dtype, margin=recipe.margin) for a in amaxes]
+  return [_delayed_scale(h, x, dtype, recipe) for h, x in zip(states, tensors, strict=True)]
+
+
+def _delayed_scale(history: jax.Array, x: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The scale from the history; from ``x``'s own amax while nothing is recorded (the first step).
+
+  A ``cond``, not a select: once the history holds an amax, quantising ``x``
+  does not wait for ``x``'s amax, which is the point of delayed scaling. The
+  bootstrap branch measures it itself for the same reason.
+  """
+  recorded = jnp.max(as_float32(history)[..., 1:]) > 0
+  return jax.lax.cond(
+    recorded,
+    lambda: _history_scale(history, dtype, recipe),
+    lambda: scale_for(amax(x, recipe.axis_name), dtype, margin=recipe.margin),
+  )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _fp8_dot(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  lhs: jax.Array,
+  rhs: jax.Array,
+  states: tuple[jax.Array, ...] | None,
+) -> jax.Array:
+  return _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)[0]
+
+
+def _plain_dot(dimension_numbers: Any, precision: Any) -> Any:
+  def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jax.lax.dot_general(a, b, dimension_numbers, precision=precision)
+
+  return dot
+
+
+def _fp8_dot_fwd(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  lhs: jax.Array,
+  rhs: jax.Array,
+  states: tuple[jax.Array, ...] | None,
+) -> tuple[jax.Array, Any]:
+  out_dtype = dtypes[2]
+  amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
+  histories = None if states is None else states[:2]
+  lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
+  lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
+  a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
+  # The product in the operands' dtype unless a wider one was asked for: cuBLASLt's
+  # float8 GEMMs accumulate in float32 (their only compute type), as XLA:CPU does for
+  # bfloat16 products, which it cannot return in float32 for every layout.
+  preferred = out_dtype if out_dtype != np.dtype(lhs.dtype) else None
+  out = jax.lax.dot_general(
+    a, b, dimension_numbers, precision=precision, preferred_element_type=preferred
+  ).astype(out_dtype)
+  # The float8 operands are the residuals: a quarter of float32's bytes, and the
+  # backward products dequantise them again, in the form XLA recognises.
+  residuals = (lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states)
+  return out, residuals
+
+
+def _fp8_dot_bwd(
+  recipe: Fp8Recipe,
+  dimension_numbers: Any,
+  precision: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  residuals: Any,
+  g: jax.Array,
+) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
+  lhs_dtype, rhs_dtype, _ = dtypes
+  lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states = residuals
+  g_amax = amax(g, recipe.axis_name)
+  histories = None if states is None else states[2:]
+  (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
+  g_dq = dequantize(quantize(g, E5M2, g_scale), g_scale, g.dtype)
+  a, b = dequantize(lhs_q, lhs_scale, lhs_dtype), dequantize(rhs_q, rhs_scale, rhs_dtype)
+
+  product, pullback = jax.vjp(_plain_dot(dimension_numbers, precision), a, b)
+  ga, gb = pullback(g_dq.astype(product.dtype))
+  if states is None:
+    return ga, gb, None
+  observed = [*amaxes, g_amax]
+  return ga, gb, tuple(_observed(h, v) for h, v in zip(states, observed, strict=True))
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def fp8_dot_general(
+  lhs: jax.Array,
+  rhs: jax.Array,
+  dimension_numbers: Any,
+  precision: Any = None,
+  preferred_element_type: Any = None,
+  *,
+  recipe: Fp8Recipe | None = None,
+  state: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+  **unused: Any,
+) -> jax.Array:
+  """``jax.lax.dot_general`` with float8 operands: E4M3 forward, E5M2 gradients, float32 sums.
+
+  Both operands are quantised to E4M3 with per-tensor scales and dequantised
+  right before the product. In the backward pass the incoming gradient is
+  quantised to E5M2 the same way and both backward products take the saved
+  E4M3 operands. The products are requested in the operands' dtype:
+  cuBLASLt's float8 GEMMs accumulate in float32 (their only compute type)
+  and round once to that dtype, and XLA:CPU computes bfloat16 products in
+  float32 as well. This is the quantise-dequantise
+  form that XLA:GPU rewrites into cuBLASLt float8 GEMMs on Hopper and Ada
+  GPUs; elsewhere it computes the same float8-rounded products.
+
+  Usable as a Flax layer's ``dot_general`` (``functools.partial`` with a
+  recipe); :func:`mpx.linen.apply_policy` and :func:`mpx.nnx.apply_policy`
+  install it for policies with an ``fp8`` recipe.
+
+  Args:
+    lhs: the left operand (the activations of a layer).
+    rhs: the right operand (the kernel).
+    dimension_numbers: as for ``jax.lax.dot_general``.
+    precision: as for ``jax.lax.dot_general``.
+    preferred_element_type: the output dtype; ``None`` means ``lhs.dtype``.
+    recipe: the scaling recipe; ``None`` means current scaling.
+    state: for delayed scaling, the amax histories of ``(lhs, rhs,
+      gradient)``, each ``float32[history_length + 1]`` (see
+      :func:`update_fp8_state`), or already passed through
+      :func:`fp8_max_grad`; their gradient is the amax each tensor had.
+    **unused: other arguments Flax passes (``out_sharding``), ignored.
+
+  Returns:
+    The product, shaped as ``jax.lax.dot_general``'s.
+
+  Raises:
+    ConfigError: a delayed recipe without state, or state without one.
+  """
+  del unused
+  recipe = Fp8Recipe() if recipe is None else recipe
+  if recipe.delayed != (state is not None):
+    raise errors.ConfigError(
+      f"The fp8 recipe {recipe} {'needs' if recipe.delayed else 'takes no'} amax history "
+      "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
+      "does this for you)."
+    )
+  out_dtype = np.dtype(preferred_element_type or lhs.dtype)
+  (lc, rc), (lb, rb) = dimension_numbers
+  dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))  # hashable: a static argument
+  dtypes = (np.dtype(lhs.dtype), np.dtype(rhs.dtype), out_dtype)
+  if state is not None:
+    state = tuple(fp8_max_grad(tuple(state)))
+  return _fp8_dot(recipe, dims, precision, dtypes, lhs, rhs, state)
+
+
+def init_history(recipe: Fp8Recipe, *, batch_shape: Sequence[int] = ()) -> jax.Array:
+  """An empty amax history: ``float32[*batch_shape, history_length + 1]`` of zeros.
+
+  Args:
+    recipe: a delayed-scaling recipe.
+    batch_shape: leading axes, one history per entry (e.g. ``(layers,)`` for
+      the histories of layers stacked by ``nn.scan`` or ``nnx.vmap``).
+
+  Returns:
+    The zero history.
+  """
+  return jnp.zeros((*batch_shape, recipe.history_length + 1), jnp.float32)

@@ -1,0 +1,1 @@
+"""Optimizer wrappers for half-precision params: masters, compensation, state dtypes, the composite."""

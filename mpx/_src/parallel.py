@@ -1,0 +1,164 @@
+"""Data-parallel gradient reduction in a narrow dtype, for ``shard_map`` train steps.
+
+Under ``shard_map`` data parallelism each device holds the gradients of its own
+shard of the batch, and one all-reduce averages them. Its bytes are the
+gradients' bytes; sending them in the compute dtype (bfloat16, float16) halves
+the traffic. The loss scale is already applied (``mpx.value_and_grad``), so
+float16 does not flush small gradients, and each device divides by the number
+of devices *before* the sum, so no partial sum can exceed the largest local
+gradient: the reduction overflows only where a local gradient itself does not
+fit the reduction dtype. Unscaling and the finite check then run in float32, in
+the loss-scaling transformation, on the reduced gradients, which are the same
+on every device, so the skip is global.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors
+from mpx._src import tree as tree_lib
+from mpx._src.scaling import finite_check
+
+
+def _axis_size(axis_name: Any) -> int:
+  try:
+    return jax.lax.axis_size(axis_name)
+  except NameError as e:
+    raise errors.ConfigError(
+      f"axis_name={axis_name!r} is not a mapped axis here ({e}). Call "
+      "mpx.all_reduce_gradients inside jax.shard_map (or pmap, or vmap with axis_name=...) "
+      "and pass the name of the mesh axis the batch is split over, e.g. 'data', or a tuple "
+      "of names for a batch split over several axes."
+    ) from None
+
+
+def _check_not_reduced(grads: Any, axis_name: Any) -> None:
+  """Raises if ``shard_map`` already summed the gradients over ``axis_name``.
+
+  Under ``jax.shard_map`` with ``check_vma=True`` (the default), params passed
+  replicated (``P()``) are invariant along the axis; their first use with a
+  per-device batch inserts an implicit ``pvary``, whose transpose in the
+  backward pass is a ``psum``. Their gradients then arrive summed, in the
+  forward's dtype and without the division by the axis size, and a second
+  reduction would multiply them by the axis size.
+  """
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual = set(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+  # JAX's flag for shard_map(check_vma=...); without the tracking, nothing can be told.
+  check_vma = getattr(getattr(jax._src.config, "_check_vma", None), "value", False)  # pyright: ignore[reportAttributeAccessIssue]
+  if not check_vma or not all(a in manual for a in axes):
+    return
+  for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    varying = getattr(getattr(jax.typeof(leaf), "mat", None), "varying", None)
+    if varying is None or all(a in varying for a in axes):
+      continue
+    raise errors.ConfigError(
+      f"gradients leaf {tree_lib.path_str(path)!r} does not vary along {axis_name!r}: the "
+      "params entered jax.shard_map replicated, so JAX already summed their gradients over "
+      f"{axis_name!r} in the backward pass (in the forward's dtype, without dividing by the "
+      "axis size), and reducing them again would multiply them by the axis size. Mark the "
+      f"params varying before differentiating, params = jax.lax.pcast(params, {axis_name!r}, "
+      "to='varying'), so that each device takes its own gradients and this function reduces "
+      "them once; or run the step under jax.shard_map(..., check_vma=False)."
+    )
+
+
+def all_reduce_gradients(
+  grads: Any, axis_name: Any, *, reduce_dtype: dtypes_lib.DTypeLike | None = None
+) -> Any:
+  """Averages gradients over a mapped axis, communicating them in ``reduce_dtype``.
+
+  For data parallelism under ``jax.shard_map`` (or ``pmap``): every device
+  computes the scaled gradients of its shard of the batch with
+  :func:`mpx.value_and_grad`, then calls this function instead of
+  ``jax.lax.pmean``. Each floating leaf ``g`` becomes
+
+  .. math::
+
+    \\operatorname{cast}_{\\text{leaf}}\\Big(\\sum_{d=1}^{n}
+    \\operatorname{cast}_{\\text{reduce}}(g_d / n)\\Big)
+
+  where ``n`` is the size of ``axis_name``: the division runs in float32
+  (float64 stays float64) before the cast, so it rounds once; the sum is one
+  all-reduce in ``reduce_dtype``, half the bytes of a float32 one for
+  bfloat16 or float16; the result is cast back to the leaf's own dtype, so the
+  optimizer sees the dtypes it was built for.
+
+  Why the order is safe:
+
+  * Dividing first bounds every partial sum by the largest ``|g_d|``, so the
+    half-precision sum cannot overflow unless a local gradient already does
+    not fit ``reduce_dtype`` (then the step is skipped, as it should be).
+  * The loss scale is applied before the reduction, so float16 keeps the small
+    gradients the scale was chosen for; dividing by ``n`` costs ``log2(n)``
+    exponent steps at the bottom of the range, which dynamic loss scaling
+    absorbs like any other shift.
+  * Unscaling and the finite check happen afterwards, in float32, in the
+    loss-scaling transformation's ``update`` (:func:`mpx.dynamic_loss_scale`,
+    :func:`mpx.mixed_precision`). An inf or NaN on one device reaches every
+    device through the sum, so every device skips the step and adjusts the
+    scale identically, without ``axis_name`` on the transformation.
+
+  Under ``jax.shard_map`` (with its default ``check_vma=True``), params passed
+  replicated (``in_specs=P()``) must be marked varying before
+  differentiating, ``jax.lax.pcast(params, axis_name, to="varying")``:
+  otherwise JAX sums their gradients itself in the backward pass (the
+  transpose of the implicit broadcast to the devices), in the forward's dtype
+  and without the division, and this function raises rather than reduce them
+  a second time. With ``check_vma=False`` gradients are always local.
+
+  The backend decides how the all-reduce is carried out: XLA's CPU backend
+  performs a bfloat16 all-reduce in float32 on bfloat16-rounded values, so
+  only the float16 one halves the bytes there; GPU (NCCL) and TPU collectives
+  support bfloat16 (mpx's tests measure the CPU backend only).
+
+  Args:
+    grads: a pytree of floating arrays, this device's gradients of the scaled
+      loss (``None`` leaves are kept).
+    axis_name: the name of the mapped axis the batch is split over, or a tuple
+      of names.
+    reduce_dtype: the dtype to communicate in, e.g. ``policy.compute_dtype``
+      or ``"bfloat16"``; ``None`` reduces each leaf in its own dtype (a
+      ``pmean`` with the division first).
+
+  Returns:
+    The mean of ``grads`` over ``axis_name``, with the structure and dtypes of
+    ``grads``, the same on every device of the axis.
+
+  Raises:
+    LeafTypeError: a leaf of ``grads`` is not a floating array.
+    PolicyError: ``reduce_dtype`` is not a floating dtype mpx supports.
+    ConfigError: ``axis_name`` is not a mapped axis at the call site; or,
+      under ``shard_map`` with ``check_vma=True``, a leaf does not vary along
+      it (JAX already summed it: see below).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpx
+    >>> grads = {"w": jnp.array([[2.0, 4.0], [6.0, 8.0]])}  # two devices' gradients
+    >>> mean = jax.vmap(
+    ...   lambda g: mpx.all_reduce_gradients(g, "batch", reduce_dtype="bfloat16"),
+    ...   axis_name="batch",
+    ... )(grads)
+    >>> mean["w"]  # float32 again, the same on both members
+    Array([[4., 6.],
+           [4., 6.]], dtype=float32)
+  """
+  tree_lib.check_floating_leaves(grads, what="gradients")
+  dtype = None if reduce_dtype is None else dtypes_lib.parse_dtype(reduce_dtype)
+  n = _axis_size(axis_name)
+  _check_not_reduced(grads, axis_name)
+
+  def local(g: jax.Array) -> jax.Array:
+    wide = finite_check.unscaled_dtype(np.dtype(g.dtype))  # float32, or float64
+    return (g.astype(wide) / jnp.asarray(n, wide)).astype(g.dtype if dtype is None else dtype)
+
+  shares = jax.tree.map(local, grads)
+  # One psum over the whole tree: XLA sends it as a single (tuple) all-reduce.
+  summed = jax.lax.psum(shares, axis_name)
+  return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, grads)

@@ -1,0 +1,751 @@
+"""Float8 matmuls: quantisation against ml_dtypes, the scaling recipes, their state, the adapters."""
+
+import dataclasses
+import functools
+import os
+import pathlib
+import subprocess
+import sys
+
+import chex
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+import mpx
+from mpx._src.ops import fp8 as fp8_lib
+from tests.optax_compat import standard_promotion
+
+FORMATS = [(jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (jnp.float8_e5m2, ml_dtypes.float8_e5m2)]
+DIMS = (((1,), (0,)), ((), ()))
+HEAD = mpx.KeepRules().with_path("head$", "mixed_bfloat16")
+
+
+def _reference(x: np.ndarray, ml_dtype) -> np.ndarray:
+  """ml_dtypes' rounding, saturating finite values (ml_dtypes' own cast gives NaN or inf)."""
+  top = float(ml_dtypes.finfo(ml_dtype).max)
+  x = np.asarray(x, np.float32)
+  clipped = np.where(np.isfinite(x), np.clip(x, -top, top), x)
+  return clipped.astype(ml_dtype).astype(np.float32)
+
+
+def _grid(ml_dtype) -> np.ndarray:
+  info = ml_dtypes.finfo(ml_dtype)
+  tiny = float(info.smallest_subnormal)
+  rng = np.random.default_rng(0)
+  normal = rng.standard_normal(2000) * np.exp2(rng.integers(-20, 20, 2000))
+  specials = [0.0, -0.0, tiny, -tiny, tiny / 2, tiny * 0.75, tiny * 1.5, tiny * 3.5]
+  specials += [float(info.max), float(info.max) * 1.01, 1e30, -1e30, np.nan, np.inf, -np.inf]
+  return np.concatenate([normal, specials]).astype(np.float32)
+
+
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16])
+def test_quantize_matches_ml_dtypes_with_saturation_subnormals_and_nan(dtype, ml_dtype, source):
+  x = jnp.asarray(_grid(ml_dtype), source)
+  q = np.asarray(fp8_lib.quantize(x, dtype, jnp.float32(1.0)).astype(jnp.float32))
+  expected = _reference(np.asarray(x.astype(jnp.float32)), ml_dtype)
+  np.testing.assert_array_equal(q, expected)  # NaN == NaN here; +-0 compare equal
+  top = float(ml_dtypes.finfo(ml_dtype).max)
+  assert top == {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}[np.dtype(dtype).name]
+  x32 = np.asarray(x.astype(jnp.float32))
+  huge = np.isfinite(x32) & (np.abs(x32) > 2 * top)
+  assert huge.sum() >= 2 and (np.abs(q[huge]) == top).all()  # saturates
+  assert np.isnan(q[np.isnan(x32)]).all()
+  tiny = float(ml_dtypes.finfo(ml_dtype).smallest_subnormal)
+  assert ((q != 0) & (np.abs(q) < float(ml_dtypes.finfo(ml_dtype).smallest_normal))).any()
+  assert q[x32 == np.float32(tiny * 1.5)].tolist() == [2 * tiny]  # a subnormal tie, to even
+
+
+def test_infinities_follow_the_format():
+  x = jnp.array([np.inf, -np.inf], jnp.float32)
+  e4m3 = fp8_lib.quantize(x, jnp.float8_e4m3fn, jnp.float32(1.0)).astype(jnp.float32)
+  e5m2 = fp8_lib.quantize(x, jnp.float8_e5m2, jnp.float32(1.0)).astype(jnp.float32)
+  assert np.isnan(np.asarray(e4m3)).all()  # E4M3FN has no infinity
+  np.testing.assert_array_equal(np.asarray(e5m2), [np.inf, -np.inf])
+
+
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("margin", [0, 2])
+def test_scale_is_the_power_of_two_that_fits_the_amax(dtype, ml_dtype, margin):
+  top = float(ml_dtypes.finfo(ml_dtype).max)
+  amaxes = np.array([1e-30, 3e-7, 0.5, 1.0, top, top * 2, top * 3, 7e4, 1e30], np.float32)
+  scales = np.asarray(jax.vmap(lambda a: fp8_lib.scale_for(a, dtype, margin=margin))(amaxes))
+  mantissa, _ = np.frexp(scales)
+  assert (mantissa == 0.5).all()  # powers of two
+  limit = top / 2**margin
+  assert (amaxes / scales <= limit).all()
+  assert (amaxes / scales > limit / 2).all()  # the largest such scale: no bit wasted
+  for bad in (0.0, np.inf, np.nan):
+    assert float(fp8_lib.scale_for(jnp.float32(bad), dtype)) == 1.0
+
+
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+def test_quantize_dequantize_with_current_scaling_is_exact_rounding(dtype, ml_dtype):
+  x = jnp.asarray(np.random.default_rng(1).standard_normal((64,)) * 3e3, jnp.bfloat16)
+  out = mpx.quantize_dequantize(x, dtype)
+  assert out.dtype == jnp.bfloat16
+  x32 = np.asarray(x.astype(jnp.float32))
+  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x32).max()), dtype))
+  np.testing.assert_array_equal(
+    np.asarray(out.astype(jnp.float32)), _reference(x32 / scale, ml_dtype) * scale
+  )
+  # The amax itself lands within the format's top binade, unsaturated.
+  assert np.abs(np.asarray(out.astype(jnp.float32))).max() == pytest.approx(
+    np.abs(x32).max(), rel=2**-3
+  )
+
+
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("top", [1e-3, 1e-5, 3e-7])
+def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dtype, ml_dtype, top):
+  # float16's exponent range is narrower than float32's: a scale cast to float16
+  # underflows to zero for these amaxes, and x / 0 is not finite.
+  x32 = np.random.default_rng(7).uniform(-1, 1, 64).astype(np.float32) * top
+  x = jnp.asarray(x32, jnp.float16)
+  out = mpx.quantize_dequantize(x, dtype)
+  assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
+  x16 = np.asarray(x, np.float32)
+  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
+  expected = (_reference(x16 / scale, ml_dtype).astype(np.float64) * scale).astype(np.float16)
+  np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("scale", [None, 1.0], ids=["current", "fixed"])
+def test_straight_through_gradient_is_the_identity_within_range(source, scale):
+  x = jnp.asarray([1.0, 0.3, -5.0, 2.7, 700.0], source)  # 700 saturates E4M3 at scale 1
+  ct = jnp.asarray([1000.0, 0.3, 1e-9, 0.123456, 5.0], source)
+  scale = None if scale is None else jnp.float32(scale)
+
+  def loss(x, straight_through):
+    out = mpx.quantize_dequantize(
+      x, jnp.float8_e4m3fn, scale=scale, straight_through=straight_through
+    )
+    return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)(x, True)
+  assert grad.dtype == source
+  expected = np.array(ct.astype(jnp.float32))
+  if scale is not None:
+    expected[-1] = 0.0  # saturated: the output does not move with x there
+  np.testing.assert_array_equal(np.asarray(grad.astype(jnp.float32)), expected)
+  # Same forward; the default differentiates through the rounding, cotangent included.
+  np.testing.assert_array_equal(
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale, straight_through=True)),
+    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale)),
+  )
+  rounded = np.asarray(jax.grad(loss)(x, False).astype(jnp.float32))
+  assert not np.array_equal(rounded[:4], expected[:4])
+
+
+def _operands():
+  rng = np.random.default_rng(2)
+  lhs = jnp.asarray(rng.standard_normal((8, 32)) * 5, jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((32, 16)) * 0.05, jnp.bfloat16)
+  return lhs, rhs
+
+
+def _qdq_np(x, ml_dtype) -> np.ndarray:
+  x = np.asarray(jnp.asarray(x).astype(jnp.float32))
+  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x).max()), ml_dtype))
+  return _reference(x / scale, ml_dtype) * scale
+
+
+def test_fp8_dot_general_forward_and_backward_use_float8_operands():
+  lhs, rhs = _operands()
+  g = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)) * 1e-6, jnp.bfloat16)
+
+  @jax.jit
+  def forward_and_backward(lhs, rhs, g):
+    out, pullback = jax.vjp(lambda a, b: mpx.fp8_dot_general(a, b, DIMS), lhs, rhs)
+    return out, pullback(g)
+
+  out, (ga, gb) = forward_and_backward(lhs, rhs, g)
+  a, b = _qdq_np(lhs, ml_dtypes.float8_e4m3fn), _qdq_np(rhs, ml_dtypes.float8_e4m3fn)
+  gq = _qdq_np(g, ml_dtypes.float8_e5m2)
+  assert out.dtype == jnp.bfloat16
+  # float32 sums of exact float8 products, rounded once to bfloat16.
+  np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), a @ b, rtol=2**-8, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(ga.astype(jnp.float32)), gq @ b.T, rtol=2**-8, atol=1e-12)
+  np.testing.assert_allclose(np.asarray(gb.astype(jnp.float32)), a.T @ gq, rtol=2**-8, atol=1e-12)
+  # Without float8 the tiny gradient would differ: E5M2 rounding is visible.
+  assert not np.allclose(gq, np.asarray(g.astype(jnp.float32)), rtol=1e-3)
+
+
+def test_delayed_state_gradient_is_the_observed_amax():
+  lhs, rhs = _operands()
+  recipe = mpx.Fp8Recipe("delayed", history_length=4)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  g = jnp.full((8, 16), 3.0, jnp.bfloat16)
+
+  def loss(state):
+    out = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
+    return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+
+  observed = jax.jit(jax.grad(loss))(state)
+  amaxes = [float(jnp.abs(t.astype(jnp.float32)).max()) for t in (lhs, rhs, g)]
+  for history, amax in zip(observed, amaxes, strict=True):
+    assert history.shape == (5,) and history.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(history), [amax, 0, 0, 0, 0], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+  ("reduction", "margin", "expected_amax"), [("max", 0, 1000.0), ("most_recent", 0, 100.0)]
+)
+def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
+  recipe = mpx.Fp8Recipe("delayed", history_length=3, reduction=reduction, margin=margin)
+  history = jnp.array([5e4, 100.0, 1000.0, 10.0])  # the pending slot is never read
+  scale = fp8_lib._history_scale(history, fp8_lib.E4M3, recipe)
+  assert float(scale) == float(fp8_lib.scale_for(jnp.float32(expected_amax), fp8_lib.E4M3))
+  with_margin = dataclasses.replace(recipe, margin=2)
+  assert float(fp8_lib._history_scale(history, fp8_lib.E4M3, with_margin)) == 4 * float(scale)
+
+
+def test_delayed_scale_ignores_the_current_tensor():
+  # Once something is recorded, the scale comes from the history alone: a value
+  # beyond E4M3's max saturates this step, and is recorded for the next one.
+  # Current scaling would have fitted it.
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  empty = fp8_lib.init_history(recipe)
+  lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
+  rhs = jnp.ones((2, 1), jnp.float32)
+  small = (jnp.array([0.0, 240.0, 0.0]), empty, empty)
+  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
+  current = mpx.fp8_dot_general(lhs, rhs, DIMS)
+  assert float(delayed[0, 0]) == 448.0 + 1.0
+  assert float(current[0, 0]) == 960.0 + 1.0
+  filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
+  assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
+
+
+@pytest.mark.parametrize("reduction", ["max", "most_recent"])
+def test_the_first_delayed_step_scales_like_current_scaling(reduction):
+  # An empty history bootstraps from each tensor's own amax, instead of scale 1
+  # (which saturates 960 and flushes the 1e-6 gradients to zero in E5M2).
+  recipe = mpx.Fp8Recipe("delayed", history_length=2, reduction=reduction)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  lhs = jnp.array([[960.0, 1.0], [3.0, -2.0]], jnp.float32)
+  rhs = jnp.array([[0.5], [0.25]], jnp.float32)
+  g = jnp.array([[1e-6], [-3e-6]], jnp.float32)
+
+  def run(recipe, state):
+    out, pullback = jax.vjp(
+      lambda a, b: mpx.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
+    )
+    return out, *pullback(g)
+
+  delayed = jax.jit(run, static_argnums=0)(recipe, state)
+  current = jax.jit(run, static_argnums=0)(mpx.Fp8Recipe("current"), None)
+  for d, c in zip(delayed, current, strict=True):
+    np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
+  assert float(delayed[0][0, 0]) == 960.0 * 0.5 + 0.25
+  assert np.asarray(delayed[2]).any()  # the weight gradient is not flushed to zero
+
+
+def test_update_rolls_commits_and_keeps_a_running_max():
+  history = jnp.array([0.0, 4.0, 2.0, 1.0])
+  seen = lambda v: jnp.array([v, 0.0, 0.0, 0.0])  # noqa: E731
+  step = jax.jit(mpx.update_fp8_state)
+  h = step(history, seen(3.0), commit=False)
+  h = step(h, seen(7.0), commit=jnp.asarray(False))
+  h = step(h, seen(5.0), commit=False)
+  np.testing.assert_array_equal(np.asarray(h), [7.0, 4.0, 2.0, 1.0])  # max, not last
+  h = step(h, seen(0.5), commit=True)
+  np.testing.assert_array_equal(np.asarray(h), [0.0, 7.0, 4.0, 2.0])  # oldest (1.0) dropped
+  assert h.dtype == history.dtype and h.shape == history.shape
+  # Same dtypes and shapes on both branches of a cond, and through a pytree round trip.
+  tree = {"a": {"lhs": history, "grad": history}}
+  out = jax.lax.cond(True, lambda t: mpx.update_fp8_state(t, t), lambda t: t, tree)
+  chex.assert_trees_all_equal_shapes_and_dtypes(out, tree)
+  chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
+  # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
+  rng = np.random.default_rng(5)
+  stacked = jnp.asarray(rng.uniform(0, 10, (3, 2, 5)), jnp.float32)
+  observed = jnp.zeros_like(stacked).at[..., 0].set(jnp.asarray(rng.uniform(0, 10, (3, 2))))
+  per_layer = [
+    mpx.update_fp8_state(stacked[i, j], observed[i, j], commit=commit)
+    for i in range(3)
+    for j in range(2)
+  ]
+  out = jax.jit(mpx.update_fp8_state)(stacked, observed, commit=commit)
+  assert out.shape == stacked.shape and out.dtype == stacked.dtype
+  np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
+  recipe = mpx.Fp8Recipe("delayed", history_length=4)
+  assert fp8_lib.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
+  scales = jax.vmap(jax.vmap(lambda h: fp8_lib._history_scale(h, fp8_lib.E4M3, recipe)))(stacked)
+  np.testing.assert_array_equal(
+    np.asarray(fp8_lib._history_scale(stacked, fp8_lib.E4M3, recipe)), np.asarray(scales)
+  )
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
+  # Weight sharing: one set of histories, three calls with lhs amaxes 2, 4, 3,
+  # rhs amaxes 1, 1/2, 1/4 and gradient amaxes 5, 7, 6. A sum would record 9, 1.75, 18.
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  rhs = jnp.ones((2, 1), jnp.float32)
+
+  def loss(state):
+    state = mpx.fp8_max_grad(state)
+    total = jnp.float32(0.0)
+    for a, b, g in ((2.0, 1.0, 5.0), (4.0, 0.5, 7.0), (3.0, 0.25, 6.0)):
+      out = mpx.fp8_dot_general(jnp.array([[a, 1.0]]), rhs * b, DIMS, recipe=recipe, state=state)
+      total = total + g * jnp.sum(out)
+    return total
+
+  grad = jax.grad(loss)
+  observed = (jax.jit(grad) if jit else grad)(state)
+  assert all(o.dtype == jnp.float32 and o.shape == (3,) for o in observed)
+  np.testing.assert_array_equal(
+    np.stack([np.asarray(o) for o in observed]), [[4.0, 0.0, 0.0], [1.0, 0.0, 0.0], [7.0, 0.0, 0.0]]
+  )
+
+
+def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
+  recipe = mpx.Fp8Recipe("delayed", history_length=2)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  xs = jnp.array([[[2.0, 1.0]], [[5.0, 1.0]], [[3.0, 1.0]]])  # amaxes 2, 5, 3
+  w = jnp.full((2, 1), 0.5)
+
+  def loss(state, w):
+    state = mpx.fp8_max_grad(state)
+
+    def body(total, x):
+      return total + jnp.sum(mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)), None
+
+    return jax.lax.scan(body, jnp.float32(0.0), xs)[0]
+
+  observed, _ = jax.jit(jax.grad(loss, argnums=(0, 1)))(state, w)
+  np.testing.assert_array_equal(np.asarray(observed[0]), [5.0, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[1]), [0.5, 0.0, 0.0])
+  np.testing.assert_array_equal(np.asarray(observed[2]), [1.0, 0.0, 0.0])
+  history = mpx.update_fp8_state(state, observed)
+  assert [float(h[1]) for h in history] == [5.0, 0.5, 1.0]
+
+
+class _SharedLinen(nn.Module):
+  @nn.compact
+  def __call__(self, xs):
+    dense = nn.Dense(1, use_bias=False, kernel_init=nn.initializers.ones)
+    return sum(dense(x) for x in xs)
+
+
+class _SharedNnx(nnx.Module):
+  def __init__(self):
+    init = nnx.initializers.ones
+    self.dense = nnx.Linear(2, 1, use_bias=False, kernel_init=init, rngs=nnx.Rngs(0))
+
+  def __call__(self, xs):
+    return sum(self.dense(x) for x in xs)
+
+
+@pytest.mark.parametrize("adapter", ["linen", "nnx"])
+def test_a_shared_flax_layer_records_the_max_amax_with_fp8_max_grad(adapter):
+  xs = [jnp.full((1, 2), a) for a in (2.0, 4.0, 3.0)]
+  if adapter == "linen":
+    model = mpx.linen.apply_policy(_SharedLinen(), "mixed_float8_delayed")
+    variables = model.init(jax.random.key(0), xs)
+    params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+
+    def forward(history):
+      return model.apply({"params": params, mpx.linen.FP8_COLLECTION: history}, xs)
+  else:
+    module = mpx.nnx.apply_policy(_SharedNnx(), "mixed_float8_delayed")
+    graphdef, params, history, rest = nnx.split(module, nnx.Param, mpx.nnx.Fp8History, ...)
+
+    def forward(history):
+      return nnx.merge(graphdef, params, history, rest)(xs)
+
+  def loss(history):
+    return jnp.sum(forward(mpx.fp8_max_grad(history)).astype(jnp.float32))
+
+  observed = jax.jit(jax.grad(loss))(history)
+  # lhs amaxes 2, 4, 3; the kernel's and the gradient's are 1 in each call.
+  pending = sorted(float(h[0]) for h in jax.tree.leaves(observed))
+  assert pending == [1.0, 1.0, 4.0]
+  assert all(h.dtype == jnp.float32 for h in jax.tree.leaves(observed))
+
+
+def test_amax_is_reduced_over_a_named_axis():
+  recipe = mpx.Fp8Recipe(axis_name="devices")
+  lhs = jnp.stack([jnp.ones((4, 8)), jnp.full((4, 8), 300.0)]).astype(jnp.bfloat16)
+  rhs = jnp.ones((8, 2), jnp.bfloat16)
+
+  def on_device(lhs):
+    scale = fp8_lib.scale_for(fp8_lib.amax(lhs, recipe.axis_name), fp8_lib.E4M3)
+    return scale, mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe)
+
+  scales, out = jax.jit(jax.vmap(on_device, axis_name="devices"))(lhs)
+  assert float(scales[0]) == float(scales[1]) == 1.0  # both from 300, not 1
+  # Device 0's ones scaled by 300's scale are still exact.
+  np.testing.assert_array_equal(np.asarray(out[0].astype(jnp.float32)), 8.0)
+
+
+def test_policy_strings_round_trip_and_errors():
+  for name, scaling in (("mixed_float8", "current"), ("mixed_float8_delayed", "delayed")):
+    policy = mpx.get_policy(name)
+    assert policy.fp8 is not None and policy.fp8.scaling == scaling
+    assert np.dtype(policy.compute_dtype) == jnp.bfloat16
+    assert mpx.get_policy(str(policy)) == policy
+  spec = "p=f32,c=bf16,o=f32,fp8=delayed:history=1024:reduction=most_recent:margin=1:attention"
+  policy = mpx.get_policy(spec)
+  assert policy.fp8 == mpx.Fp8Recipe("delayed", 1024, "most_recent", 1, attention=True)
+  assert mpx.get_policy(str(policy)) == policy
+  assert mpx.get_policy("mixed_bfloat16").fp8 is None
+  with pytest.raises(mpx.PolicyError, match="bfloat16 or float32"):
+    mpx.get_policy("params=float32,compute=float16,fp8=current")
+  with pytest.raises(mpx.PolicyError, match="Cannot parse 'histroy=4'"):
+    mpx.get_policy("p=f32,c=bf16,fp8=delayed:histroy=4")
+  with pytest.raises(mpx.PolicyError, match="Unknown fp8 scaling 'late'"):
+    mpx.Fp8Recipe("late")
+  with pytest.raises(mpx.PolicyError, match="most_recent"):
+    mpx.Fp8Recipe("delayed", reduction="mean")
+  with pytest.raises(mpx.ConfigError, match="needs amax history state"):
+    mpx.fp8_dot_general(*_operands(), DIMS, recipe=mpx.Fp8Recipe("delayed"))
+
+
+class LinenNet(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    x = nn.Dense(32)(x)
+    x = nn.LayerNorm()(x)
+    x = nn.DenseGeneral((2, 16))(x)
+    x = nn.Einsum((2, 16, 16), "bhd,hdk->bk")(x)
+    return nn.Dense(4, name="head")(nn.gelu(x))
+
+
+class NnxNet(nnx.Module):
+  def __init__(self, rngs):
+    self.a = nnx.Linear(16, 32, rngs=rngs)
+    self.norm = nnx.LayerNorm(32, rngs=rngs)
+    self.b = nnx.LinearGeneral(32, (2, 16), rngs=rngs)
+    self.e = nnx.Einsum("bhd,hdk->bk", (2, 16, 16), rngs=rngs)
+    self.head = nnx.Linear(16, 4, rngs=rngs)
+
+  def __call__(self, x):
+    return self.head(nnx.gelu(self.e(self.b(self.norm(self.a(x))))))
+
+
+X = jnp.asarray(np.random.default_rng(4).standard_normal((8, 16)), jnp.float32)
+
+
+@functools.cache  # one init per policy for the whole module
+def _linen_loss(policy):
+  model = mpx.linen.apply_policy(LinenNet(), policy, rules=HEAD)
+  variables = jax.jit(model.init)(jax.random.key(0), X)  # one compile, not one per op
+
+  def loss(params, history, x):
+    extra = {} if history is None else {mpx.linen.FP8_COLLECTION: history}
+    return jnp.mean(model.apply({"params": params, **extra}, x) ** 2)
+
+  return loss, variables["params"], variables.get(mpx.linen.FP8_COLLECTION)
+
+
+def _nnx_loss(policy):
+  model = mpx.nnx.apply_policy(NnxNet(nnx.Rngs(0)), policy, rules=HEAD)
+  graphdef, params, history, rest = nnx.split(model, nnx.Param, mpx.nnx.Fp8History, ...)
+
+  def loss(params, history, x):
+    return jnp.mean(nnx.merge(graphdef, params, history, rest)(x) ** 2)
+
+  return loss, params, history
+
+
+@pytest.mark.parametrize("make", [_linen_loss, _nnx_loss], ids=["linen", "nnx"])
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
+def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy):
+  loss, params, history = make(policy)
+  delayed = policy.endswith("delayed")
+  assert (len(jax.tree.leaves(history)) == 9) if delayed else not jax.tree.leaves(history)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  report = mpx.audit(jax.value_and_grad(loss, argnums=(0, 1)), params, history, X)
+  # Three layers' forward and weight-gradient products, and the input gradients of
+  # the two not fed by x, in float8; the head's three in bfloat16.
+  assert len(report.fp8_ops) == 8
+  assert {op.is_backward for op in report.fp8_ops} == {False, True}
+  others = [op for op in report.ops if not op.is_fp8]
+  # The head is the only layer with a dimension of 4 (NNX paths are class names).
+  assert len(others) == 3 and all(4 in (*op.lhs_shape, *op.rhs_shape) for op in others)
+  for op in report.fp8_ops:
+    formats = [f.name for f in op.fp8 if f is not None]
+    assert (formats.count("float8_e5m2"), formats.count("float8_e4m3fn")) == (
+      (1, 1) if op.is_backward else (0, 2)
+    )
+
+
+def test_linen_and_nnx_fp8_outputs_match_a_manual_float8_layer():
+  model = mpx.linen.apply_policy(nn.Dense(16, use_bias=False), "mixed_float8")
+  params = model.init(jax.random.key(0), X)
+  out = model.apply(params, X)
+  assert out.dtype == jnp.float32
+  kernel = params["params"]["kernel"].astype(jnp.bfloat16)
+  manual = mpx.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(manual))
+  layer = nnx.Linear(16, 16, use_bias=False, rngs=nnx.Rngs(0))
+  mpx.nnx.apply_policy(layer, "mixed_float8")
+  kernel = layer.kernel[...].astype(jnp.bfloat16)
+  manual = mpx.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
+  np.testing.assert_array_equal(np.asarray(layer(X)), np.asarray(manual))
+
+
+def test_multisteps_records_the_max_amax_over_micro_batches():
+  loss, params, history = _linen_loss("mixed_float8_delayed")
+  tx = optax.MultiSteps(standard_promotion(optax.sgd(1e-3)), every_k_schedule=3)
+  opt_state = tx.init(params)
+
+  @jax.jit
+  def step(params, history, opt_state, x):
+    grads, observed = jax.grad(loss, argnums=(0, 1))(params, history, x)
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    commit = mpx.accumulation_boundary(opt_state)
+    history = mpx.update_fp8_state(history, observed, commit=commit)
+    return optax.apply_updates(params, updates), history, opt_state
+
+  big = X.at[0, 0].set(1000.0)  # only in the FIRST micro-batch
+  first = lhs = history["Dense_0"]["Fp8DotGeneral_0"]["lhs"]
+  for i, x in enumerate([big, X, X]):
+    params, history, opt_state = step(params, history, opt_state, x)
+    lhs = history["Dense_0"]["Fp8DotGeneral_0"]["lhs"]
+    if i < 2:  # accumulating: the pending slot holds the running max, nothing committed yet
+      assert float(lhs[0]) == 1000.0 and not np.asarray(lhs[1:]).any()
+  np.testing.assert_array_equal(np.asarray(lhs[:2]), [0.0, 1000.0])
+  assert float(jnp.abs(X).max()) < 10  # the last micro-batch alone would have recorded this
+  assert first.shape == lhs.shape and first.dtype == lhs.dtype
+  # Every history committed exactly one amax.
+  for h in jax.tree.leaves(history):
+    assert float(h[0]) == 0.0 and float(h[1]) > 0 and not np.asarray(h[2:]).any()
+
+
+def test_accumulation_boundary_without_multisteps_is_every_step():
+  state = optax.sgd(0.1).init({"w": jnp.ones(2)})
+  assert bool(mpx.accumulation_boundary(state))
+
+
+def _float16_fp8_step(tx, recipe, use_opt_state):
+  """A jitted float16 step of one delayed-fp8 matmul under a dynamic loss scale."""
+
+  def loss(params, history, x):
+    w = params["w"].astype(jnp.float16)
+    out = mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=history)
+    return jnp.sum(out.astype(jnp.float32))
+
+  @jax.jit
+  def step(params, history, opt_state, x):
+    _, (grads, observed) = mpx.value_and_grad(loss, opt_state, argnums=(0, 1))(params, history, x)
+    with jax.numpy_dtype_promotion("standard"):
+      updates, opt_state = tx.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    if use_opt_state:
+      history = mpx.update_fp8_state(history, observed, opt_state=opt_state)
+    else:
+      history = mpx.update_fp8_state(history, observed, commit=mpx.accumulation_boundary(opt_state))
+    return params, history, opt_state
+
+  return step
+
+
+_X16 = jnp.asarray(np.random.default_rng(6).uniform(-4, 4, (4, 8)), jnp.float16)
+_INF = _X16.at[1, 2].set(jnp.inf)
+
+
+@pytest.mark.parametrize("use_opt_state", [True, False], ids=["opt_state", "commit"])
+def test_a_skipped_step_leaves_the_fp8_history_untouched(use_opt_state):
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8)
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state)
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert not bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  before = [np.asarray(h) for h in history]
+  assert all(h[1] > 0 for h in before)
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  assert not bool(mpx.accumulation_boundary(opt_state))
+  after = [np.asarray(h) for h in history]
+  for b, a in zip(before, after, strict=True):
+    assert np.isfinite(a).all()
+    if use_opt_state:  # bitwise, pending slot included
+      assert a.tobytes() == b.tobytes()
+    else:  # without the skip, the finite amaxes of the step wait in the pending slot
+      assert a[1:].tobytes() == b[1:].tobytes()
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  # The next good step commits its own amaxes on top, with the scale of step 1.
+  for b, h in zip(before, history, strict=True):
+    np.testing.assert_array_equal(np.asarray(h)[2:], b[1:-1])
+    assert float(h[1]) > 0
+
+
+def test_a_skipped_multisteps_boundary_leaves_the_fp8_history_untouched():
+  recipe = mpx.Fp8Recipe("delayed", history_length=3)
+  tx = optax.MultiSteps(
+    mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8), every_k_schedule=2
+  )
+  params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
+  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  opt_state = tx.init(params)
+  step = _float16_fp8_step(tx, recipe, use_opt_state=True)
+  for x in (_X16, _X16):  # one good accumulation: one commit
+    params, history, opt_state = step(params, history, opt_state, x)
+  committed = [np.asarray(h) for h in history]
+  assert all(h[0] == 0 and h[1] > 0 for h in committed)
+  # The inf arrives in the first micro-batch; the skip is decided at the boundary.
+  params, history, opt_state = step(params, history, opt_state, _INF)
+  assert all(np.isfinite(np.asarray(h)).all() for h in history)  # not in the running max
+  pending = [np.asarray(h) for h in history]
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
+  for p, c, h in zip(pending, committed, history, strict=True):
+    assert np.asarray(h).tobytes() == p.tobytes()
+    assert p[1:].tobytes() == c[1:].tobytes()
+  # Later micro-batches of the next accumulation are not mistaken for skipped ones.
+  params, history, opt_state = step(params, history, opt_state, _X16)
+  assert float(history[1][0]) > 0
+
+
+def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
+  loss, params, history = _linen_loss("mixed_float8_delayed")
+  observed = jax.jit(jax.grad(loss, argnums=1))(params, history, X)
+  history = jax.jit(mpx.update_fp8_state)(history, observed)
+  with ocp.StandardCheckpointer() as ckpt:
+    ckpt.save(tmp_path / "fp8", history)
+    ckpt.wait_until_finished()
+  with ocp.StandardCheckpointer() as ckpt:
+    restored = ckpt.restore(tmp_path / "fp8", history)
+  chex.assert_trees_all_equal(restored, history)
+  chex.assert_trees_all_equal_shapes_and_dtypes(restored, history)
+  assert any(float(h[1]) > 0 for h in jax.tree.leaves(restored))
+
+
+@pytest.mark.parametrize("attention", [True, False])
+def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
+  from mpx.demo._cli import DEFAULT
+  from mpx.demo._model import CharTransformer
+
+  recipe = mpx.Fp8Recipe("delayed", attention=attention)
+  policy = dataclasses.replace(mpx.get_policy("mixed_bfloat16"), fp8=recipe)
+  model = mpx.linen.apply_policy(CharTransformer(DEFAULT.model), policy, rules=HEAD)
+  tokens = jax.ShapeDtypeStruct((DEFAULT.batch_size, DEFAULT.model.max_len + 1), jnp.int32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  params, history = variables["params"], variables[mpx.linen.FP8_COLLECTION]
+  tx = optax.sgd(0.1)
+
+  def train_step(params, history, opt_state, windows):
+    def loss(params, history):
+      variables = {"params": params, mpx.linen.FP8_COLLECTION: history}
+      logits = model.apply(variables, windows[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:]).mean()
+
+    grads, observed = jax.grad(loss, argnums=(0, 1))(params, history)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    history = mpx.update_fp8_state(history, observed)
+    return optax.apply_updates(params, updates), history, opt_state
+
+  opt_state = jax.eval_shape(tx.init, params)
+  report = mpx.audit(train_step, params, history, opt_state, tokens, policy=policy)
+  for part in (report.filter(backward=False), report.filter(backward=True)):
+    share = part.fp8_flops_share
+    assert share >= (0.9 if attention else 0.75), str(part)
+  # The rest: the logits projection (a keep rule) and, unless the recipe covers
+  # them, attention's two activation-by-activation products.
+  rest = {op.module_path.split("/")[-1] for op in report.ops if not op.is_fp8}
+  assert rest == ({"head"} if attention else {"head", "MultiHeadDotProductAttention_0"})
+
+
+def test_nnx_histories_update_through_nnx_grad_and_nnx_update():
+  model = mpx.nnx.apply_policy(nnx.Linear(16, 8, rngs=nnx.Rngs(0)), "mixed_float8_delayed")
+  optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+  x = jnp.full((4, 16), 3.0)
+  wrt = nnx.DiffState(0, nnx.Any(nnx.Param, mpx.nnx.Fp8History))
+
+  @nnx.jit
+  def step(model, optimizer, x):
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2), argnums=wrt)(model)
+    param_grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
+    optimizer.update(model, param_grads)
+    history = nnx.state(model, mpx.nnx.Fp8History)
+    nnx.update(model, mpx.update_fp8_state(history, observed))
+
+  for _ in range(2):
+    step(model, optimizer, x)
+  dot = vars(model)["dot_general"]
+  assert isinstance(dot, mpx.nnx.Fp8DotGeneral)
+  np.testing.assert_array_equal(np.asarray(dot.lhs[...][:4]), [0.0, 3.0, 3.0, 0.0])  # two commits
+
+
+_SHARDED = """
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import mpx
+from mpx._src.ops import fp8
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+assert jax.device_count() == 2, jax.devices()
+recipe = mpx.Fp8Recipe("delayed", history_length=2)
+dims = (((1,), (0,)), ((), ()))
+lhs = jnp.ones((8, 16), jnp.bfloat16).at[7, 0].set(300.0)  # the big value on device 1 only
+rhs = jnp.ones((16, 4), jnp.bfloat16)
+state = tuple(fp8.init_history(recipe) for _ in range(3))
+
+def loss(lhs, state):
+  return jnp.sum(mpx.fp8_dot_general(lhs, rhs, dims, recipe=recipe, state=state)).astype(jnp.float32)
+
+step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+sharded = jax.device_put(lhs, NamedSharding(Mesh(jax.devices(), ("data",)), P("data", None)))
+(value, (g, observed)), (value1, (g1, observed1)) = step(sharded, state), step(lhs, state)
+assert float(observed[0][0]) == 300.0, observed  # the global amax, on every device
+assert value == value1 and (np.asarray(g) == np.asarray(g1)).all()
+print("ok")
+"""
+
+
+def test_sharded_jit_reduces_the_amax_over_all_devices():
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "JAX_PLATFORMS": "cpu",
+    "PYTHONPATH": os.pathsep.join(
+      [str(pathlib.Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]
+    ),
+  }
+  proc = subprocess.run(
+    [sys.executable, "-W", "error", "-c", _SHARDED],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    check=False,
+  )
+  assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_audit_recognises_a_hand_written_quantise_dequantise():
+  def f(x, w):
+    scale = jnp.asarray(2.0, jnp.bfloat16)
+    xq = x.astype(jnp.float8_e4m3fn).astype(jnp.bfloat16) * scale
+    wq = jnp.transpose(w.astype(jnp.float8_e5m2).astype(jnp.bfloat16))  # layout ops pass
+    return xq @ wq.T, x @ w, xq @ w
+
+  x = jnp.ones((16, 32), jnp.bfloat16)
+  report = mpx.audit(f, x, jnp.ones((32, 16), jnp.bfloat16))
+  both, neither, one = report.ops
+  assert [f.name for f in both.fp8] == ["float8_e4m3fn", "float8_e5m2"] and both.is_fp8  # pyright: ignore[reportOptionalMemberAccess]
+  assert both.operand_class == "fp8" and report.flags(both)[-1] == "fp8:e4m3fn,e5m2"
+  assert neither.fp8 == (None, None) and not neither.is_fp8 and neither.operand_class == "half"
+  assert not one.is_fp8 and report.flags(one)[-1] == "fp8:e4m3fn,-"
+  assert report.fp8_flops_share == pytest.approx(1 / 3)
+  assert "(33.3% float8)" in report.summary()

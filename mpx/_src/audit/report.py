@@ -14,7 +14,7 @@ import numpy as np
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
-from mpx._src.audit import device_peaks, stablehlo
+from mpx._src.audit import device_peaks, stablehlo, target_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -432,8 +432,14 @@ def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
 
 
 def audit(
-  fn: Callable[..., Any] | jax.stages.Lowered, *args: Any, policy: Any = None, **kwargs: Any
-) -> AuditReport:
+  fn: Callable[..., Any] | jax.stages.Lowered,
+  *args: Any,
+  policy: Any = None,
+  target: str | None = None,
+  in_specs: Any = None,
+  mesh_axes: tuple[str, ...] = ("data",),
+  **kwargs: Any,
+) -> Any:
   """Lists every matmul and convolution that ``fn(*args, **kwargs)`` runs, with dtypes and flags.
 
   The function is lowered, not compiled or run: ``jax.jit(fn).lower(*args,
@@ -444,8 +450,23 @@ def audit(
   ``preferred_element_type=float32`` quietly turns into float32 x float32
   GEMMs (paper section 3.3 wants half products accumulated in float32).
 
-  ``policy`` is keyword-only and is not passed to ``fn``; to audit a function
-  that itself takes a ``policy`` keyword, bind it with ``functools.partial``.
+  ``policy``, ``target``, ``in_specs`` and ``mesh_axes`` are keyword-only and
+  are not passed to ``fn``; to audit a function that itself takes one of
+  them, bind it with ``functools.partial``.
+
+  With ``target="h100"`` (``"h200"``, ``"a100"``, ``"b200"``, ``"l4"``;
+  ``"h100x8"`` for 8 GPUs, ``"2xh100x8"`` for 2 hosts of 8) the step is
+  compiled, not run, for that GPU on this machine, which needs no GPU but jax's
+  CUDA plugin (``pip install "mpx-mixed-precision[gpu-target]"``) and
+  ``JAX_PLATFORMS=cpu`` on a machine without an NVIDIA driver; the result is
+  a ``TargetReport`` of the optimised GPU program: each GEMM and convolution
+  kernel with its backend and the dtypes it multiplies, ``half_flops_share``
+  and ``fp8_flops_share`` of that program, ``memory`` (XLA's buffer
+  assignment), kernel launches, bytes moved and collectives. Products the
+  program asked for in float8 (or half precision) whose kernels multiply a
+  wider dtype are listed in ``lost`` and warned about
+  (:class:`mpx.PrecisionWarning`). No autotuning runs: kernel choices are
+  XLA's defaults (see ``docs/guide/gpu_target.md``).
 
   The report answers the question the paper leaves to the user: did every
   product run with half-precision operands, or did a layer left at
@@ -490,10 +511,21 @@ def audit(
     policy: the precision policy ``fn`` is meant to follow (anything
       :func:`mpx.get_policy` accepts). Under a half compute dtype, ops with
       float32 operands are flagged ``f32`` in the table.
+    target: a GPU to compile for (see above); ``None`` (the default) audits
+      the StableHLO program, on any backend.
+    in_specs: with a multi-GPU ``target``, ``jax.sharding.PartitionSpec``\\ s
+      for ``args`` (a tree prefix of them, over the mesh axes
+      ``mesh_axes``); ``None`` replicates every argument.
+    mesh_axes: with a ``target``, the target mesh's axis names: one (all
+      GPUs) or two (hosts, GPUs per host).
     **kwargs: keyword arguments for ``fn``.
 
   Returns:
-    An :class:`AuditReport`.
+    An :class:`AuditReport`; with a ``target``, a ``TargetReport``.
+
+  Raises:
+    ConfigError: an unknown target, jax's CUDA plugin missing, or jax unable
+      to build a CUDA topology (set ``JAX_PLATFORMS=cpu``).
 
   Example:
     >>> import jax.numpy as jnp
@@ -508,6 +540,16 @@ def audit(
     >>> report.half_flops_share
     1.0
   """
+  if target is not None:
+    return target_report.audit_target(
+      fn,
+      args,
+      kwargs,
+      target=target,
+      in_specs=in_specs,
+      mesh_axes=mesh_axes,
+      intended_audit=lambda lowered: audit(lowered, policy=policy),
+    )
   lowered: Any
   if isinstance(fn, jax.stages.Lowered):
     lowered = fn

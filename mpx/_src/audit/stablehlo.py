@@ -120,7 +120,7 @@ def _location_name(location: str) -> str:
   return match.group(1) if match else ""
 
 
-def _module_path(name: str, location: str) -> tuple[str, bool]:
+def module_path(name: str, location: str) -> tuple[str, bool]:
   """Returns ``(module path, is_backward)`` from a name stack and its location."""
   segments, transforms = [], set()
   last_wrappers: list[str] = []
@@ -324,7 +324,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     gemm, flops, misaligned = _gemm_dot(attrs, lhs_shape, rhs_shape)
   accumulation = re.search(r"accumulation_type = (\w+)", attrs.get("algorithm", ""))
   operand_precision = re.search(r"lhs_precision_type = (\w+)", attrs.get("algorithm", ""))
-  module_path, is_backward = _module_path(raw["name"], raw["location"])
+  path, is_backward = module_path(raw["name"], raw["location"])
   return dict(
     kind=kind,
     lhs_dtype=lhs_dtype,
@@ -343,7 +343,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     result_shape=result_shape,
     gemm_dims=gemm,
     flops=flops * raw["count"],
-    module_path=module_path,
+    module_path=path,
     name=raw["name"],
     is_backward=is_backward,
     count=raw["count"],
@@ -387,13 +387,13 @@ def _reduction(raw: dict[str, Any]) -> dict[str, Any] | None:
     if terms <= 1:
       return None  # a reshape in disguise: nothing is added
     kind = "sum"
-  module_path, is_backward = _module_path(raw["name"], raw["location"])
+  path, is_backward = module_path(raw["name"], raw["location"])
   return dict(
     kind=kind,
     dtype=dtype,
     shape=shape,
     terms=terms,
-    module_path=module_path,
+    module_path=path,
     name=raw["name"],
     is_backward=is_backward,
     count=raw["count"],

@@ -1,0 +1,374 @@
+"""The audit of a step compiled for a GPU it does not run on: kernels, dtypes, memory, collectives.
+
+Compiled, not run: jax's CUDA plugin builds the XLA:GPU program on any
+machine (see :mod:`mpx._src.audit.targets`). No autotuning runs without the
+GPU, so the kernels are XLA's defaults for the target; on a real GPU the
+autotuner may pick other tilings, or cuBLAS instead of Triton, for a GEMM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from mpx._src import dtypes as dtypes_lib
+from mpx._src import errors
+from mpx._src.audit import compiled as hlo
+from mpx._src.audit import targets
+
+_NOTE = "compiled for the target without autotuning: kernel choices are XLA's defaults"
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetGemm:
+  """One matrix product or convolution kernel of the program compiled for a GPU.
+
+  Attributes:
+    kernel: the name of the kernel's instruction in the compiled HLO.
+    backend: ``"triton"`` (a Triton GEMM fusion), ``"cublas"``,
+      ``"cublaslt"``, ``"cudnn"`` or ``"xla"`` (XLA's own emitter).
+    kind: ``"dot"`` or ``"convolution"``.
+    lhs_dtype: the left operand's dtype as the kernel multiplies it, after the
+      conversions XLA fused into the kernel.
+    rhs_dtype: the right operand's dtype, likewise.
+    result_dtype: the product's dtype.
+    lhs_shape: the left operand's shape inside the kernel.
+    rhs_shape: the right operand's shape inside the kernel.
+    result_shape: the product's shape.
+    flops: FLOPs per run of the program (``count`` executions).
+    count: executions per run (loop trip counts included).
+    module_path: the issuing layer, read from the product's ``op_name``.
+    op_name: the JAX name stack of the product.
+    is_backward: whether the product belongs to the backward pass.
+  """
+
+  kernel: str
+  backend: str
+  kind: str
+  lhs_dtype: np.dtype
+  rhs_dtype: np.dtype
+  result_dtype: np.dtype
+  lhs_shape: tuple[int, ...]
+  rhs_shape: tuple[int, ...]
+  result_shape: tuple[int, ...]
+  flops: int
+  count: int
+  module_path: str
+  op_name: str
+  is_backward: bool
+
+  @property
+  def is_fp8(self) -> bool:
+    """Whether both operands are float8 as multiplied."""
+    return all(dtypes_lib.is_floating(d) and d.itemsize == 1 for d in self.dtypes)
+
+  @property
+  def is_half(self) -> bool:
+    """Whether both operands are 16-bit (or narrower) floats as multiplied."""
+    return all(dtypes_lib.is_half(d) for d in self.dtypes)
+
+  @property
+  def dtypes(self) -> tuple[np.dtype, np.dtype]:
+    """``(lhs_dtype, rhs_dtype)``."""
+    return (self.lhs_dtype, self.rhs_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+  """XLA's buffer assignment for the target (``compiled.memory_analysis()``), in bytes.
+
+  Attributes:
+    argument_bytes: the arguments.
+    output_bytes: the outputs.
+    alias_bytes: the outputs that reuse a donated argument's buffer.
+    temp_bytes: the temporaries (activations kept for the backward pass,
+      workspaces): the part of the peak a precision policy changes most.
+  """
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+
+  @property
+  def peak_bytes(self) -> int:
+    """Arguments, outputs not aliased to an argument, and temporaries."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """A collective of the program compiled for several GPUs.
+
+  Attributes:
+    kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
+      ``"all-to-all"``, ``"collective-permute"``.
+    dtype: the dtype it communicates.
+    bytes: its operands' bytes per device, per run (``count`` executions).
+    count: executions per run.
+    op_name: the JAX name stack it came from.
+  """
+
+  kind: str
+  dtype: np.dtype
+  bytes: int
+  count: int
+  op_name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetReport:
+  """The audit of a program compiled for a GPU; ``str(report)`` is a table.
+
+  Attributes:
+    target: the target, e.g. ``"h100"`` or ``"2xh100x8"``.
+    device_kind: the device the program was compiled for.
+    gemms: every matrix product and convolution kernel, in program order.
+    memory: XLA's buffer assignment, per GPU.
+    kernels: every kernel launch (dicts with ``name``, ``kind``,
+      ``op_name``, ``count``, ``bytes``; see ``compiled.kernels``).
+    collectives: the collectives (none on one GPU).
+    intended: the StableHLO audit of the same lowering (what the program asks
+      for before XLA's GPU passes), an :class:`mpx.AuditReport`.
+    lost: one line per layer whose products were meant to run in float8 (or
+      half precision) and whose compiled kernels multiply something wider.
+  """
+
+  target: str
+  device_kind: str
+  gemms: tuple[TargetGemm, ...]
+  memory: Memory
+  kernels: tuple[dict[str, Any], ...]
+  collectives: tuple[Collective, ...]
+  intended: Any
+  lost: tuple[str, ...]
+
+  @property
+  def total_flops(self) -> int:
+    """The FLOPs of the products."""
+    return sum(g.flops for g in self.gemms)
+
+  def _share(self, keep: Callable[[TargetGemm], bool]) -> float:
+    total = self.total_flops
+    return sum(g.flops for g in self.gemms if keep(g)) / total if total else math.nan
+
+  @property
+  def half_flops_share(self) -> float:
+    """The share of FLOPs multiplied with both operands 16-bit or narrower; ``nan`` without products."""
+    return self._share(lambda g: g.is_half)
+
+  @property
+  def fp8_flops_share(self) -> float:
+    """The share of FLOPs multiplied with both operands float8; ``nan`` without products."""
+    return self._share(lambda g: g.is_fp8)
+
+  @property
+  def kernel_count(self) -> int:
+    """Kernel launches per run (loop bodies counted once per iteration)."""
+    return sum(k["count"] for k in self.kernels)
+
+  @property
+  def bytes_moved(self) -> int:
+    """The operand and result bytes of every kernel launch per run (an upper bound on traffic)."""
+    return sum(k["bytes"] * k["count"] for k in self.kernels)
+
+  def backends(self) -> dict[tuple[str, str, str], int]:
+    """FLOPs per ``(backend, lhs dtype, rhs dtype)``."""
+    out: dict[tuple[str, str, str], int] = {}
+    for g in self.gemms:
+      key = (g.backend, g.lhs_dtype.name, g.rhs_dtype.name)
+      out[key] = out.get(key, 0) + g.flops
+    return out
+
+  def __str__(self) -> str:
+    header = ("#", "backend", "pass", "module", "lhs", "rhs", "result", "MFLOP")
+    rows = [
+      (
+        str(i),
+        g.backend,
+        "bwd" if g.is_backward else "fwd",
+        g.module_path or "?",
+        _fmt(g.lhs_dtype, g.lhs_shape),
+        _fmt(g.rhs_dtype, g.rhs_shape),
+        _fmt(g.result_dtype, g.result_shape),
+        f"{g.flops / 1e6:.3f}",
+      )
+      for i, g in enumerate(self.gemms)
+    ]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    lines = [
+      "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+      for r in [header, *rows]
+    ]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join([*lines, self.summary()])
+
+  def summary(self) -> str:
+    """Returns the report's totals (the last lines of ``str(report)``)."""
+    m = self.memory
+    coll = {}
+    for c in self.collectives:
+      coll[(c.kind, c.dtype.name)] = coll.get((c.kind, c.dtype.name), 0) + c.bytes * c.count
+    lines = [
+      f"{self.target} ({self.device_kind}), {_NOTE}",
+      f"{len(self.gemms)} products, {self.total_flops / 1e6:.3f} MFLOP, "
+      f"{100 * self.half_flops_share:.1f}% of FLOPs with half-precision operands "
+      f"({100 * self.fp8_flops_share:.1f}% float8)",
+      f"{self.kernel_count} kernel launches, {self.bytes_moved / 2**20:.1f} MiB read and written",
+      f"memory per GPU: arguments {m.argument_bytes / 2**20:.1f} MiB, outputs "
+      f"{m.output_bytes / 2**20:.1f} MiB (aliased {m.alias_bytes / 2**20:.1f} MiB), "
+      f"temporaries {m.temp_bytes / 2**20:.1f} MiB",
+    ]
+    if coll:
+      lines.append(
+        "collectives: "
+        + ", ".join(f"{k} {d} {b / 2**20:.2f} MiB" for (k, d), b in sorted(coll.items()))
+      )
+    lines += [f"lost: {line}" for line in self.lost]
+    return "\n".join(lines)
+
+
+def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+  return f"{dtype.name}[{','.join(map(str, shape))}]"
+
+
+def _intent_lost(intended: Any, gemms: list[TargetGemm], target: str) -> tuple[str, ...]:
+  """Layers whose products were meant to be float8 (or half) and compiled to something wider.
+
+  Products are matched by layer path and pass: XLA may split (split-K) or
+  rewrite a product, so the counts, not the individual ops, are compared,
+  and a layer is flagged only when one of its compiled kernels multiplies a
+  wider dtype than all its float8 (or half) products asked for.
+  """
+  groups: dict[tuple[str, bool], list[Any]] = {}
+  for op in intended.ops:
+    groups.setdefault((op.module_path, op.is_backward), []).append(op)
+  lost = []
+  for (path, backward), ops in groups.items():
+    mine = [g for g in gemms if (g.module_path, g.is_backward) == (path, backward)]
+    fp8, half = sum(op.is_fp8 for op in ops), sum(op.is_fp8 or op.is_half for op in ops)
+    where = f"{path or '?'} ({'backward' if backward else 'forward'})"
+    wider_than_fp8 = sorted(
+      {f"{a.name} x {b.name}" for g in mine if not g.is_fp8 for a, b in [g.dtypes]}
+    )
+    wider_than_half = sorted(
+      {f"{a.name} x {b.name}" for g in mine if not g.is_half for a, b in [g.dtypes]}
+    )
+    if fp8 and sum(g.is_fp8 for g in mine) < fp8 and wider_than_fp8:
+      lost.append(
+        f"{where}: {fp8} products with float8 operands in the program, "
+        f"{sum(g.is_fp8 for g in mine)} float8 kernels on {target}; its kernels multiply "
+        f"{', '.join(wider_than_fp8)}"
+      )
+    elif half and sum(g.is_half for g in mine) < half and wider_than_half:
+      lost.append(
+        f"{where}: {half} products with half-precision operands in the program, "
+        f"{sum(g.is_half for g in mine)} half-precision kernels on {target}; its kernels "
+        f"multiply {', '.join(wider_than_half)}"
+      )
+  return tuple(lost)
+
+
+def _placed(tree: Any, mesh: Mesh, specs: Any) -> Any:
+  """``tree``'s arrays as ``ShapeDtypeStruct``\\ s on ``mesh``, replicated unless ``specs`` says."""
+
+  def place(spec: Any, sub: Any) -> Any:
+    sharding = NamedSharding(mesh, spec if spec is not None else PartitionSpec())
+
+    def leaf(x: Any) -> Any:
+      if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        return x
+      return jax.ShapeDtypeStruct(
+        x.shape, x.dtype, sharding=sharding, weak_type=getattr(x, "weak_type", False)
+      )
+
+    return jax.tree.map(leaf, sub)
+
+  if specs is None:
+    return place(None, tree)
+  return jax.tree.map(
+    place, specs, tree, is_leaf=lambda x: x is None or isinstance(x, PartitionSpec)
+  )
+
+
+def audit_target(
+  fn: Callable[..., Any],
+  args: tuple[Any, ...],
+  kwargs: dict[str, Any],
+  *,
+  target: str,
+  in_specs: Any = None,
+  mesh_axes: tuple[str, ...] = ("data",),
+  intended_audit: Callable[[Any], Any],
+) -> TargetReport:
+  """Compiles ``fn(*args, **kwargs)`` for a GPU target and audits the compiled program.
+
+  Args:
+    fn: the function, plain or jitted.
+    args: its positional arguments (arrays or ``ShapeDtypeStruct``\\ s).
+    kwargs: its keyword arguments.
+    target: a target name (see ``targets.parse``).
+    in_specs: ``PartitionSpec``\\ s for ``args`` (a tree prefix of them);
+      ``None`` replicates every argument.
+    mesh_axes: the mesh's axis names: one name (all GPUs on one axis) or
+      two (hosts, GPUs per host).
+    intended_audit: the StableHLO audit of a ``Lowered``.
+
+  Returns:
+    A :class:`TargetReport`.
+  """
+  target_ = targets.parse(target)
+  if isinstance(fn, jax.stages.Lowered):
+    raise errors.ConfigError(
+      "mpx.audit(..., target=...) compiles for the target itself; pass the function (plain "
+      "or jitted) and its arguments, not an already lowered program."
+    )
+  devices = np.array(targets.devices(target_))
+  if len(mesh_axes) == 2:
+    devices = devices.reshape(target_.hosts, target_.gpus_per_host)
+  elif len(mesh_axes) != 1:
+    raise errors.ConfigError(
+      f"mesh_axes={mesh_axes!r}: give one axis name (all GPUs) or two (hosts, GPUs per host)."
+    )
+  mesh = Mesh(devices, tuple(mesh_axes))
+  args = _placed(args, mesh, in_specs)
+  kwargs = _placed(kwargs, mesh, None)
+  lower = getattr(fn, "lower", None)  # Already jitted: keep its static and donated arguments.
+  lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+  compiled = lowered.compile()
+  text = compiled.as_text()
+  gemms = [TargetGemm(**g) for g in hlo.gemms(text)]
+  stats = compiled.memory_analysis()
+  intended = intended_audit(lowered)
+  lost = _intent_lost(intended, gemms, str(target_))
+  if lost:
+    warnings.warn(
+      f"Compiled for {target_}, products lost the precision the program asked for: "
+      + "; ".join(lost)
+      + ". (The float8 quantise-dequantise of Flax's Fp8DotGeneralOp and mpx.fp8_dot_general "
+      "compiles to bfloat16 GEMMs there; see docs/guide/gpu_target.md.)",
+      errors.PrecisionWarning,
+      stacklevel=3,
+    )
+  return TargetReport(
+    target=str(target_),
+    device_kind=str(devices.flat[0].device_kind),
+    gemms=tuple(gemms),
+    memory=Memory(
+      argument_bytes=int(stats.argument_size_in_bytes),
+      output_bytes=int(stats.output_size_in_bytes),
+      alias_bytes=int(stats.alias_size_in_bytes),
+      temp_bytes=int(stats.temp_size_in_bytes),
+    ),
+    kernels=tuple(hlo.kernels(text)),
+    collectives=tuple(Collective(**c) for c in hlo.collectives(text)),
+    intended=intended,
+    lost=lost,
+  )

@@ -1,0 +1,135 @@
+"""GPU targets to compile for without a GPU: the device facts and the topology of a named target.
+
+jaxlib's CUDA plugin (``jax-cuda12-plugin``, the same version as jax) builds
+XLA:GPU programs on a machine without an NVIDIA driver ("deviceless AOT") from
+a description of the device, a ``GpuTargetConfigProto`` in text form. The
+files in ``targets/`` hold the public facts of each GPU (SM count, memory,
+bandwidth, compute capability), taken from XLA's own target specs
+(``xla/backends/gpu/target_config/specs``) or NVIDIA's datasheets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import pathlib
+import re
+from typing import Any
+
+from mpx._src import errors
+
+INSTALL_LINE = 'pip install "mpx-mixed-precision[gpu-target]"'
+_SPECS = pathlib.Path(__file__).resolve().parent / "targets"
+GPUS = ("h100", "h200", "a100", "b200", "l4")
+# "h100", "h100x8" (8 GPUs on one host), "2xh100x8" (2 hosts of 8).
+_NAME = re.compile(r"(?:(\d+)\s*x\s*)?([a-z]\d+)(?:\s*x\s*(\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """A GPU target: which GPU, and how many hosts and GPUs per host.
+
+  Attributes:
+    gpu: the GPU, one of :data:`GPUS`.
+    hosts: the number of hosts.
+    gpus_per_host: the number of GPUs on each host.
+  """
+
+  gpu: str
+  hosts: int = 1
+  gpus_per_host: int = 1
+
+  @property
+  def topology(self) -> str:
+    """The topology string of ``get_topology_desc``: ``"1x<hosts>x<gpus per host>"``."""
+    return f"1x{self.hosts}x{self.gpus_per_host}"
+
+  @property
+  def num_devices(self) -> int:
+    """The number of GPUs."""
+    return self.hosts * self.gpus_per_host
+
+  def __str__(self) -> str:
+    hosts = f"{self.hosts}x" if self.hosts > 1 else ""
+    gpus = f"x{self.gpus_per_host}" if self.gpus_per_host > 1 else ""
+    return f"{hosts}{self.gpu}{gpus}"
+
+
+def parse(target: str | Target) -> Target:
+  """Returns the :class:`Target` a name stands for.
+
+  Args:
+    target: ``"h100"`` (one GPU), ``"h100x8"`` (8 GPUs on one host),
+      ``"2xh100x8"`` (2 hosts of 8 GPUs), likewise for every GPU of
+      :data:`GPUS`; or a :class:`Target`.
+
+  Returns:
+    The target.
+
+  Raises:
+    ConfigError: the name is not of that form or names an unknown GPU.
+  """
+  if isinstance(target, Target):
+    return target
+  match = _NAME.fullmatch(str(target).strip().lower())
+  if match is None or match.group(2) not in GPUS:
+    raise errors.ConfigError(
+      f"Unknown GPU target {target!r}. Name one of {', '.join(GPUS)}, optionally with a "
+      "GPU count and a host count: 'h100x8' is 8 H100s on one host, '2xh100x8' 2 hosts of 8."
+    )
+  hosts, gpu, per_host = match.groups()
+  target_ = Target(gpu, int(hosts or 1), int(per_host or 1))
+  if target_.hosts < 1 or target_.gpus_per_host < 1:
+    raise errors.ConfigError(f"The GPU target {target!r} has no GPU; counts start at 1.")
+  return target_
+
+
+def spec_text(gpu: str) -> str:
+  """Returns the ``GpuTargetConfigProto`` text of a GPU of :data:`GPUS`.
+
+  Args:
+    gpu: a name of :data:`GPUS`.
+
+  Returns:
+    The proto in text form.
+  """
+  return (_SPECS / f"{gpu}.txtpb").read_text()
+
+
+def plugin_available() -> bool:
+  """Whether jax's CUDA plugin, which compiles for NVIDIA GPUs, is installed."""
+  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+
+
+def devices(target: Target) -> list[Any]:
+  """Returns the (deviceless) CUDA devices of a target, to make a mesh of.
+
+  Args:
+    target: the target.
+
+  Returns:
+    ``target.num_devices`` devices, host-major.
+
+  Raises:
+    ConfigError: the CUDA plugin is missing, or jax cannot build a CUDA
+      topology in this process (its CUDA backend failed to start).
+  """
+  if not plugin_available():
+    raise errors.ConfigError(
+      f"Compiling for the GPU target {target} needs jax's CUDA plugin, of the same version "
+      f"as jax; install it with: {INSTALL_LINE} (no NVIDIA driver or GPU is needed)."
+    )
+  from jax.experimental import topologies
+
+  try:
+    topology = topologies.get_topology_desc(
+      platform="cuda", target_config=spec_text(target.gpu), topology=target.topology
+    )
+  except NotImplementedError as e:
+    raise errors.ConfigError(
+      f"jax cannot build a CUDA topology for the GPU target {target} in this process: its "
+      "CUDA plugin did not start (on a machine without an NVIDIA driver it fails its CUDA "
+      "version check). Set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the "
+      "environment before jax starts, e.g. `JAX_PLATFORMS=cpu python train.py`."
+    ) from e
+  return list(topology.devices)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Callable
 from typing import Any
 
@@ -431,6 +432,28 @@ def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
   return f"{dtype.name}[{','.join(map(str, shape))}]"
 
 
+@typing.overload
+def audit(
+  fn: Callable[..., Any] | jax.stages.Lowered,
+  *args: Any,
+  policy: Any = None,
+  target: None = None,
+  **kwargs: Any,
+) -> AuditReport: ...
+
+
+@typing.overload
+def audit(
+  fn: Callable[..., Any] | jax.stages.Lowered,
+  *args: Any,
+  policy: Any = None,
+  target: str,
+  in_specs: Any = None,
+  mesh_axes: tuple[str, ...] = ("data",),
+  **kwargs: Any,
+) -> target_report.TargetReport: ...
+
+
 def audit(
   fn: Callable[..., Any] | jax.stages.Lowered,
   *args: Any,
@@ -439,7 +462,7 @@ def audit(
   in_specs: Any = None,
   mesh_axes: tuple[str, ...] = ("data",),
   **kwargs: Any,
-) -> Any:
+) -> AuditReport | target_report.TargetReport:
   """Lists every matmul and convolution that ``fn(*args, **kwargs)`` runs, with dtypes and flags.
 
   The function is lowered, not compiled or run: ``jax.jit(fn).lower(*args,

@@ -299,7 +299,7 @@ def _placed(tree: Any, mesh: Mesh, specs: Any) -> Any:
 
 
 def audit_target(
-  fn: Callable[..., Any],
+  fn: Callable[..., Any] | jax.stages.Lowered,
   args: tuple[Any, ...],
   kwargs: dict[str, Any],
   *,
@@ -341,7 +341,7 @@ def audit_target(
   args = _placed(args, mesh, in_specs)
   kwargs = _placed(kwargs, mesh, None)
   lower = getattr(fn, "lower", None)  # Already jitted: keep its static and donated arguments.
-  lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+  lowered: Any = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
   compiled = lowered.compile()
   text = compiled.as_text()
   gemms = [TargetGemm(**g) for g in hlo.gemms(text)]

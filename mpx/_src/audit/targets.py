@@ -98,7 +98,10 @@ def spec_text(gpu: str) -> str:
 
 def plugin_available() -> bool:
   """Whether jax's CUDA plugin, which compiles for NVIDIA GPUs, is installed."""
-  return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  try:
+    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
+  except ModuleNotFoundError:  # no jax plugin at all
+    return False
 
 
 def devices(target: Target) -> list[Any]:

@@ -13,7 +13,7 @@ import typing as _typing
 
 from mpx._src.adapters.keep import KeepRules as KeepRules
 from mpx._src.audit.report import AuditReport as AuditReport
-from mpx._src.audit.report import MatmulOp as MatmulOp
+from mpx._src.audit.ops import MatmulOp as MatmulOp
 from mpx._src.audit.report import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
 from mpx._src.diagnostics.activations import ActivationStats as ActivationStats

@@ -10,6 +10,10 @@ change no floating-point result.
 import os
 import pathlib
 
+# The suite runs on the CPU. The GPU-target tests compile for CUDA devices without a GPU, which
+# needs the CUDA plugin ([test] installs it) to stay off when jax starts: without a GPU its
+# version check fails. Subprocesses (examples, docs pages) inherit the setting.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join(
   [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]
 ).strip()

@@ -167,16 +167,16 @@ def with_stochastic_rounding(
     Practice*, AISTATS 2025 (bfloat16 AdamW with stochastic rounding against
     mixed precision, up to 6.7B parameters).
   """
-  base = _as_typed_key(key)
-  impl = jax.random.key_impl(base)
-  key_shape = jax.random.key_data(base).shape
+  root = _as_typed_key(key)
+  impl = jax.random.key_impl(root)
+  key_shape = jax.random.key_data(root).shape
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> StochasticRoundingState:
     leaves, treedef = jax.tree.flatten(params)
     keys = treedef.unflatten(
       [
-        jax.random.key_data(jax.random.fold_in(base, i)) if base.is_compensated(p) else None
+        jax.random.key_data(jax.random.fold_in(root, i)) if base.is_compensated(p) else None
         for i, p in enumerate(leaves)
       ]
     )

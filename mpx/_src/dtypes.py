@@ -16,6 +16,8 @@ from mpx._src import errors
 
 DTypeLike = Any
 
+F32 = np.dtype(np.float32)
+
 _ALIASES: dict[str, tuple[str, ...]] = {
   "float32": ("float32", "f32", "full", "single", "fp32"),
   "bfloat16": ("bfloat16", "bf16"),
@@ -54,11 +56,7 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
       f"Unknown dtype name {value!r}. Valid names are: {', '.join(VALID_NAMES)} "
       "('half' is float16 on every platform; write 'bf16' for bfloat16)."
     )
-  try:
-    # np.dtype(None) is float64; a missing dtype must not silently mean double.
-    dtype = None if value is None else np.dtype(value)
-  except (TypeError, ValueError):
-    dtype = None
+  dtype = lookup_dtype(value)
   if dtype is None or dtype not in _SUPPORTED:
     raise errors.PolicyError(
       f"{value!r} is not a dtype a precision policy can use. Pass one of "
@@ -66,6 +64,32 @@ def parse_dtype(value: DTypeLike) -> np.dtype:
       f"{', '.join(VALID_NAMES)}."
     )
   return dtype
+
+
+def lookup_dtype(value: Any) -> np.dtype | None:
+  """Returns the dtype ``value`` names or is, of any kind, or ``None`` if it is none.
+
+  The lenient sibling of :func:`parse_dtype`, for tools that accept every
+  format JAX knows (the float8 formats among them): a name is one of
+  :data:`VALID_NAMES` or the name of a JAX dtype (``"float8_e4m3fn"``), case
+  and surrounding whitespace ignored.
+
+  Args:
+    value: a name, or a dtype-like object such as ``jnp.float8_e5m2``.
+
+  Returns:
+    The ``np.dtype``, or ``None`` when ``value`` is ``None`` or names no dtype.
+  """
+  if isinstance(value, str):
+    key = value.strip().lower()
+    if key in _BY_NAME:
+      return _BY_NAME[key]
+    value = getattr(jnp, key, None)
+  try:
+    # np.dtype(None) is float64; a missing dtype must not silently mean double.
+    return None if value is None else np.dtype(value)
+  except (TypeError, ValueError):
+    return None
 
 
 def is_floating(dtype: DTypeLike) -> bool:
@@ -116,3 +140,33 @@ def can_hold(wide: DTypeLike, narrow: DTypeLike) -> bool:
   """
   w, n = jnp.finfo(wide), jnp.finfo(narrow)
   return w.nmant >= n.nmant and w.maxexp >= n.maxexp and w.minexp <= n.minexp
+
+
+def is_float8(dtype: DTypeLike) -> bool:
+  """Returns whether ``dtype`` is one of the 8-bit floating formats (``float8_e4m3fn``...).
+
+  Args:
+    dtype: any dtype-like object.
+
+  Returns:
+    ``True`` for the float8 formats.
+  """
+  return is_floating(dtype) and np.dtype(dtype).itemsize == 1
+
+
+def at_least_float32(dtype: DTypeLike) -> np.dtype:
+  """Returns the dtype a floating ``dtype`` is widened to for arithmetic: float32, or itself if wider.
+
+  The one rule behind every float32 computation on half-precision values:
+  unscaling gradients, softmax, moments computed from a narrow store, the
+  masters' weights. float64 stays float64.
+
+  Args:
+    dtype: a floating dtype.
+
+  Returns:
+    ``float32`` for float8, bfloat16, float16 and float32; ``dtype`` itself
+    when it is wider.
+  """
+  dtype = np.dtype(dtype)
+  return dtype if dtype.itemsize > 4 else F32

@@ -18,12 +18,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.scaling import finite_check
 
 
 def _axis_size(axis_name: Any) -> int:
@@ -155,7 +153,7 @@ def all_reduce_gradients(
   _check_not_reduced(grads, axis_name)
 
   def local(g: jax.Array) -> jax.Array:
-    wide = finite_check.unscaled_dtype(np.dtype(g.dtype))  # float32, or float64
+    wide = dtypes_lib.at_least_float32(g.dtype)
     return (g.astype(wide) / jnp.asarray(n, wide)).astype(g.dtype if dtype is None else dtype)
 
   shares = jax.tree.map(local, grads)

@@ -12,15 +12,13 @@ import dataclasses
 import difflib
 import re
 from collections.abc import Iterable
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
 from mpx._src import casting, errors
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import recipe as recipe_lib
-
-T = TypeVar("T")
 
 _KEYS = {
   "params": "param_dtype",
@@ -98,7 +96,7 @@ class Policy:
           "(params=float32,compute=bfloat16,output=float32,fp8=current)."
         )
 
-  def cast_to_param(self, tree: T) -> T:
+  def cast_to_param(self, tree: casting.T) -> casting.T:
     """Casts the floating leaves of ``tree`` to ``param_dtype``.
 
     Args:
@@ -109,7 +107,7 @@ class Policy:
     """
     return casting.cast_tree(tree, self.param_dtype)
 
-  def cast_to_compute(self, tree: T) -> T:
+  def cast_to_compute(self, tree: casting.T) -> casting.T:
     """Casts the floating leaves of ``tree`` to ``compute_dtype``.
 
     Args:
@@ -120,7 +118,7 @@ class Policy:
     """
     return casting.cast_tree(tree, self.compute_dtype)
 
-  def cast_to_output(self, tree: T) -> T:
+  def cast_to_output(self, tree: casting.T) -> casting.T:
     """Casts the floating leaves of ``tree`` to ``output_dtype``.
 
     Args:

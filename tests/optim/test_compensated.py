@@ -15,7 +15,7 @@ import pytest
 from optax_compat import standard_promotion
 
 import mpx
-from mpx._src.optim import masters as master_params
+from mpx._src.optim import base as half_params
 from mpx._src.optim import stochastic_rounding
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -379,7 +379,7 @@ def test_state_layout_and_round_trip(wrap, dtype):
   for moment in (adam.mu, adam.nu):
     assert {leaf.dtype for leaf in jax.tree.leaves(moment)} == {np.dtype(F32)}
   # No masters: mpx.apply_updates is optax.apply_updates.
-  masters = master_params.find_master_params(state)
+  masters = half_params.find_master_params(state)
   assert masters is not None and jax.tree.leaves(masters) == []
   again = jax.tree.map(lambda x: x, state)
   assert type(again) is type(state)

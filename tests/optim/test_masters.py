@@ -10,7 +10,7 @@ import pytest
 from optax_compat import standard_promotion
 
 import mpx
-from mpx._src.optim import masters as master_params_lib
+from mpx._src.optim import base as half_params
 
 HALF = [jnp.float16, jnp.bfloat16]
 ALL = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -319,7 +319,7 @@ def test_two_master_states_are_ambiguous():
   tx = optax.chain(mpx.with_master_params(optax.sgd(1.0)), mpx.with_master_params(optax.sgd(1.0)))
   params = {"w": jnp.ones(2, jnp.float16)}
   with pytest.raises(mpx.StateError, match="2 MasterParamsState"):
-    master_params_lib.find_master_params(tx.init(params))
+    half_params.find_master_params(tx.init(params))
 
 
 @pytest.mark.parametrize("wrapper", ["masked", "multi_transform"])
@@ -334,7 +334,7 @@ def test_apply_updates_finds_masters_under_masked_and_multi_transform(wrapper):
   grads = {"a": jnp.full(3, 1e-4, jnp.float16), "b": jnp.full(2, 0.25, jnp.float16)}
   updates, state = tx.update(grads, state, params)
   new = mpx.apply_updates(params, updates, state)
-  masters = master_params_lib.find_master_params(state)
+  masters = half_params.find_master_params(state)
   # "a" is the cast of its float32 master, 1 - 1e-4 (1 in float16: the master keeps it).
   np.testing.assert_array_equal(masters["a"], np.float32(1) - np.float32(np.float16(1e-4)))
   np.testing.assert_array_equal(new["a"], masters["a"].astype(jnp.float16))

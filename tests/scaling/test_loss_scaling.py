@@ -935,9 +935,9 @@ def test_axis_name_makes_the_attribution_global():
 @pytest.fixture
 def unwarned(monkeypatch):
   """Resets the once-per-process flag of the forgotten-scale warning."""
-  from mpx._src.scaling import transform as loss_scaling
+  from mpx._src.scaling import misuse
 
-  monkeypatch.setattr(loss_scaling, "_warned_unscaled", False)
+  monkeypatch.setattr(misuse, "_warned_unscaled", False)
 
 
 def _sgd_step(tx, grad_fn):

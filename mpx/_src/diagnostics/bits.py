@@ -17,7 +17,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import ml_dtypes
-import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
@@ -138,19 +137,6 @@ class Format:
     return (1 << FRACTION_BITS) - (1 << (FRACTION_BITS - self.nmant))
 
 
-def _dtype_of(value: Any) -> np.dtype | None:
-  if isinstance(value, str):
-    key = value.strip().lower()
-    try:
-      return dtypes_lib.parse_dtype(key)
-    except errors.PolicyError:
-      value = getattr(jnp, key, None)
-  try:
-    return None if value is None else np.dtype(value)
-  except TypeError:
-    return None
-
-
 def get_format(dtype: Any) -> Format:
   """Returns the rounding thresholds of a floating format narrower than float32.
 
@@ -165,7 +151,7 @@ def get_format(dtype: Any) -> Format:
   Raises:
     PolicyError: for any other dtype, listing examples of valid ones.
   """
-  dt = _dtype_of(dtype)
+  dt = dtypes_lib.lookup_dtype(dtype)
   info = ml_dtypes.finfo(dt) if dt is not None and dtypes_lib.is_floating(dt) else None
   if dt is None or info is None or not 1 <= int(info.nmant) <= FRACTION_BITS - 2:
     raise errors.PolicyError(

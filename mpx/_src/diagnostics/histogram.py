@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import tree as tree_lib
-from mpx._src.diagnostics import bits as float_bits
+from mpx._src.diagnostics import bits
 
 # Buckets 2**e <= |x| < 2**(e + 1) for e in [-149, 127] cover every finite
 # nonzero float32 (subnormals from 2**-149). The two end buckets are open:
@@ -63,7 +63,7 @@ class MagnitudeHistogram(NamedTuple):
 
 
 def _leaf_counts(x: jax.Array) -> jax.Array:
-  d = float_bits.decode(x)
+  d = bits.decode(x)
   bucket = jnp.clip(d.exponent, MIN_EXPONENT, MAX_EXPONENT) - MIN_EXPONENT
   bucket = jnp.where(d.zero, _ZERO, bucket)
   bucket = jnp.where(jnp.isinf(x), _INF, bucket)

@@ -20,9 +20,9 @@ import numpy as np
 
 from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.diagnostics import bits as float_bits
+from mpx._src.diagnostics import bits
 
-_MIN_K, _MAX_K = float_bits.MIN_SCALE_EXPONENT, float_bits.MAX_SCALE_EXPONENT
+_MIN_K, _MAX_K = bits.MIN_SCALE_EXPONENT, bits.MAX_SCALE_EXPONENT
 
 
 class RangeReport(NamedTuple):
@@ -98,9 +98,9 @@ def _scale_exponents(scale: Any) -> tuple[jax.Array, jax.Array]:
         f"rules is, so that scaling is exact), got {np.asarray(scale)[bad].ravel()[0]!r}. "
         "Round it first: 2.0 ** round(math.log2(scale))."
       )
-  bits = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.uint32)
-  k = (bits >> jnp.uint32(23)).astype(jnp.int32) - 127
-  valid = ((bits & jnp.uint32(0x807FFFFF)) == 0) & (k >= _MIN_K) & (k <= _MAX_K)
+  raw = jax.lax.bitcast_convert_type(jnp.asarray(scale, jnp.float32), jnp.uint32)
+  k = (raw >> jnp.uint32(23)).astype(jnp.int32) - 127
+  valid = ((raw & jnp.uint32(0x807FFFFF)) == 0) & (k >= _MIN_K) & (k <= _MAX_K)
   return k, valid
 
 
@@ -118,12 +118,12 @@ class _Table(NamedTuple):
   nonfinite: jax.Array
 
 
-def _rows(fmt: float_bits.Format) -> tuple[int, int]:
+def _rows(fmt: bits.Format) -> tuple[int, int]:
   # Exponents beyond these flush (overflow) at every scale in [2**-126, 2**126].
   return fmt.flush_exponent - _MAX_K - 1, fmt.max_exponent - _MIN_K + 1
 
 
-def _table(tree: Any, fmt: float_bits.Format) -> _Table:
+def _table(tree: Any, fmt: bits.Format) -> _Table:
   low, high = _rows(fmt)
   rows = high - low + 1
   zero_bin, nonfinite_bin = 8 * rows, 8 * rows + 1
@@ -131,7 +131,7 @@ def _table(tree: Any, fmt: float_bits.Format) -> _Table:
   for leaf in jax.tree.leaves(tree):
     if not (tree_lib.is_floating_array(leaf) and leaf.size):
       continue
-    d = float_bits.decode(leaf)
+    d = bits.decode(leaf)
     f = d.fraction
     is_one = f == 0
     overflows = (f > fmt.overflow_fraction) | ((f == fmt.overflow_fraction) & fmt.overflow_on_tie)
@@ -147,7 +147,7 @@ def _table(tree: Any, fmt: float_bits.Format) -> _Table:
   return _Table(total[: 8 * rows].reshape(rows, 8), total[zero_bin], total[nonfinite_bin])
 
 
-def _report(table: _Table, fmt: float_bits.Format, k: jax.Array, valid: jax.Array) -> RangeReport:
+def _report(table: _Table, fmt: bits.Format, k: jax.Array, valid: jax.Array) -> RangeReport:
   """Classifies the table's cells for the scales ``2**k`` (any shape) and counts."""
   low, high = _rows(fmt)
   exponent = jnp.arange(low, high + 1, dtype=jnp.int32)[:, None]  # (rows, 1)
@@ -213,7 +213,7 @@ def range_report(tree: Any, dtype: Any, *, scale: Any = 1.0) -> RangeReport:
     >>> float(r.flushed), float(r.overflow)
     (0.0, 0.25)
   """
-  fmt = float_bits.get_format(dtype)
+  fmt = bits.get_format(dtype)
   k, valid = _scale_exponents(scale)
   return _report(_table(tree, fmt), fmt, k, valid)
 
@@ -258,7 +258,7 @@ def recommend_scale(
     >>> float(rec.max_scale), float(rec.min_scale), bool(rec.feasible)
     (262144.0, 64.0, True)
   """
-  fmt = float_bits.get_format(dtype)
+  fmt = bits.get_format(dtype)
   mantissa, exponent = np.frexp(float(margin))
   if mantissa != 0.5 or exponent < 1 or exponent > 64:
     raise errors.ConfigError(

@@ -21,16 +21,12 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
+from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 
 
-def _wide(dtype: Any) -> Any:
-  """float32, or ``dtype`` itself when it is wider."""
-  return dtype if jnp.finfo(dtype).bits >= 32 else jnp.float32
-
-
 def _softmax_primal(x: jax.Array, where: Any, axis: Any, masked_value: float | None) -> jax.Array:
-  x32 = x.astype(_wide(x.dtype))
+  x32 = x.astype(dtypes_lib.at_least_float32(x.dtype))
   if masked_value is None:
     return jax.nn.softmax(x32, axis=axis, where=where).astype(x.dtype)
   return jax.nn.softmax(jnp.where(where, x32, masked_value), axis=axis).astype(x.dtype)
@@ -51,7 +47,7 @@ def _softmax_fwd(x, where, axis, masked_value):
 def _softmax_bwd(axis, masked_value, res, g):
   del masked_value
   y, where = res
-  wide = _wide(y.dtype)
+  wide = dtypes_lib.at_least_float32(y.dtype)
   y, g = y.astype(wide), g.astype(wide)
   dx = y * (g - jnp.sum(g * y, axis=axis, keepdims=True))
   if where is not None:

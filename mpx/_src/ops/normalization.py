@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import SymbolicZero
 
-_F32 = np.dtype(jnp.float32)
+from mpx._src.dtypes import F32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _feature(param: jax.Array | None, x: jax.Array, feature_axes: tuple[int, ...
   if param is None:
     return None
   shape = [x.shape[a] if a in feature_axes else 1 for a in range(x.ndim)]
-  return param.astype(_F32).reshape(shape)
+  return param.astype(F32).reshape(shape)
 
 
 def _param_cotangent(
@@ -119,7 +119,7 @@ def _affine(x32, mean, rstd, scale, bias, x, cfg: _Config) -> jax.Array:
 
 
 def _normalize_primal(x, scale, bias, cfg: _Config):
-  x32 = x.astype(_F32)
+  x32 = x.astype(F32)
   mean, var = _statistics(x32, cfg)
   rstd = jax.lax.rsqrt(var + cfg.epsilon)
   y = _affine(x32, mean, rstd, scale, bias, x, cfg)
@@ -146,13 +146,13 @@ def _normalize_bwd(cfg, res, cotangents):
   x, scale, bias, mean, rstd = res
   g_y, g_mean, g_var = cotangents
   axes = cfg.reduction_axes
-  x32 = x.astype(_F32)
+  x32 = x.astype(F32)
   centred = x32 - mean
   xhat = centred * rstd
-  dx = jnp.zeros(x.shape, _F32)
+  dx = jnp.zeros(x.shape, F32)
   d_scale = d_bias = None
   if not _is_zero(g_y):
-    g = g_y.astype(_F32)
+    g = g_y.astype(F32)
     d_bias = _param_cotangent(g, bias, x, cfg.feature_axes)
     d_scale = _param_cotangent(g * xhat, scale, x, cfg.feature_axes)
     g_hat = g if scale is None else g * _feature(scale, x, cfg.feature_axes)
@@ -163,9 +163,9 @@ def _normalize_bwd(cfg, res, cotangents):
   # The statistics outputs (BatchNorm's running averages read them).
   count = math.prod(x.shape[a] for a in axes)
   if cfg.subtract_mean and not _is_zero(g_mean):
-    dx = dx + jnp.expand_dims(g_mean.astype(_F32), axes) / count
+    dx = dx + jnp.expand_dims(g_mean.astype(F32), axes) / count
   if not _is_zero(g_var):
-    dx = dx + jnp.expand_dims(g_var.astype(_F32), axes) * (2.0 / count) * centred
+    dx = dx + jnp.expand_dims(g_var.astype(F32), axes) * (2.0 / count) * centred
   return dx.astype(x.dtype), d_scale, d_bias
 
 
@@ -225,9 +225,9 @@ def normalize(
 
 
 def _given_primal(x, mean, var, scale, bias, cfg: _Config):
-  x32 = x.astype(_F32)
-  mean32 = jnp.expand_dims(mean.astype(_F32), cfg.reduction_axes)
-  rstd = jax.lax.rsqrt(jnp.expand_dims(var.astype(_F32), cfg.reduction_axes) + cfg.epsilon)
+  x32 = x.astype(F32)
+  mean32 = jnp.expand_dims(mean.astype(F32), cfg.reduction_axes)
+  rstd = jax.lax.rsqrt(jnp.expand_dims(var.astype(F32), cfg.reduction_axes) + cfg.epsilon)
   return _affine(x32, mean32, rstd, scale, bias, x, cfg), (mean32, rstd)
 
 
@@ -246,8 +246,8 @@ def _given_bwd(cfg, res, g_y):
   x, mean, var, scale, bias, mean32, rstd = res
   if _is_zero(g_y):
     return None, None, None, None, None
-  g = g_y.astype(_F32)
-  centred = x.astype(_F32) - mean32
+  g = g_y.astype(F32)
+  centred = x.astype(F32) - mean32
   g_hat = g if scale is None else g * _feature(scale, x, cfg.feature_axes)
   axes = cfg.reduction_axes
   d_mean = -jnp.sum(g_hat * rstd, axes).astype(mean.dtype)

@@ -6,14 +6,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from mpx._src import tree as tree_lib
-from mpx._src.optim import compensated as compensated_lib
-from mpx._src.optim import masters as master_params_lib
-
-_F32 = compensated_lib.F32
-_is_none = compensated_lib.is_none
+from mpx._src.dtypes import F32
+from mpx._src.optim import base
 
 
 class KahanState(NamedTuple):
@@ -34,10 +32,19 @@ class KahanState(NamedTuple):
   @property
   def master_params(self) -> optax.Params:
     """``None`` at every leaf: no masters, each param is exactly ``params + updates``."""
-    return compensated_lib.no_masters(self.compensation)
+    return base.no_masters(self.compensation)
+
+  def check(self, params: optax.Params, master_dtype: np.dtype | None) -> None:
+    """Raises if a run expects masters, or the buffers do not fit ``params``."""
+    base.refuse_masters(self, master_dtype)
+    check_compensation(self, params)
+
+  def weights(self, params: optax.Params) -> optax.Params:
+    """The compensated weights ``float32(p) + float32(c)``, other params at least float32."""
+    return base.weights_of(self.compensation, params, compensation=True)
 
 
-master_params_lib.HalfParamsState.register(KahanState)
+base.HalfParamsState.register(KahanState)
 
 
 def check_compensation(state: KahanState, params: optax.Params) -> None:
@@ -51,7 +58,7 @@ def check_compensation(state: KahanState, params: optax.Params) -> None:
     StateError: naming the first leaf whose buffer is missing, superfluous or
       not of its param's shape and dtype.
   """
-  compensated_lib.check_buffers(
+  base.check_buffers(
     state.compensation,
     params,
     what="compensation",
@@ -70,7 +77,7 @@ def _sum_in(p: jax.Array, d: jax.Array) -> jax.Array:
   having more than twice their significant bits plus two).
   """
   info = jnp.finfo(p.dtype)
-  total = p.astype(_F32) + d.astype(_F32)
+  total = p.astype(F32) + d.astype(F32)
   return jax.lax.reduce_precision(total, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
 
@@ -148,9 +155,9 @@ def with_kahan_summation(
 
   def init_fn(params: optax.Params) -> KahanState:
     compensation = jax.tree.map(
-      lambda p: jnp.zeros_like(p) if compensated_lib.is_compensated(p) else None, params
+      lambda p: jnp.zeros_like(p) if base.is_compensated(p) else None, params
     )
-    weights = compensated_lib.float32_weights(params, compensation)
+    weights = base.float32_weights(params, compensation)
     inner_state = tree_lib.place_state(inner.init(weights), weights)
     return KahanState(compensation, inner_state)
 
@@ -160,34 +167,32 @@ def with_kahan_summation(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, KahanState]:
-    params = compensated_lib.require_params(params, "with_kahan_summation")
+    params = base.require_params(params, "with_kahan_summation")
     tree_lib.check_same_structure(updates, params, names=("gradients", "params"))
     check_compensation(state, params)
     comp = state.compensation
     weights = jax.tree.map(
-      lambda c, p: p if c is None else p.astype(_F32) + c.astype(_F32),
+      lambda c, p: p if c is None else p.astype(F32) + c.astype(F32),
       comp,
       params,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
-    inner_updates, inner_state = compensated_lib.inner_step(
+    inner_updates, inner_state = base.inner_step(
       inner, updates, state.inner_state, weights, extra_args
     )
     targets = jax.tree.map(
-      lambda c, w, u: None if c is None else w + u.astype(_F32),
+      lambda c, w, u: None if c is None else w + u.astype(F32),
       comp,
       weights,
       inner_updates,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
     param_updates = jax.tree.map(
-      lambda x, p, u: (
-        u if x is None else master_params_lib.update_toward(x.astype(p.dtype), p, _F32)
-      ),
+      lambda x, p, u: u if x is None else base.update_toward(x.astype(p.dtype), p, F32),
       targets,
       params,
       inner_updates,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
     # The buffer keeps what p + d, the param optax.apply_updates returns, misses of x.
     new_comp = jax.tree.map(
@@ -195,7 +200,7 @@ def with_kahan_summation(
       targets,
       params,
       param_updates,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
     return param_updates, KahanState(new_comp, inner_state)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import abc
 from typing import Any, NamedTuple
 
 import jax
@@ -13,6 +12,7 @@ import optax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
+from mpx._src.optim import base
 
 
 class MasterParamsState(NamedTuple):
@@ -31,25 +31,16 @@ class MasterParamsState(NamedTuple):
   master_params: optax.Params
   inner_state: optax.OptState
 
+  def check(self, params: optax.Params, master_dtype: np.dtype | None) -> None:
+    """Raises if the masters do not fit ``params`` (see :func:`check_masters`)."""
+    check_masters(self.master_params, params, master_dtype)
 
-class HalfParamsState(abc.ABC):  # noqa: B024 (a marker: registered, not inherited)
-  """The optimizer states that keep small updates of half-precision params.
-
-  :class:`MasterParamsState` keeps float32 masters. The states of
-  ``mpx.with_kahan_summation`` and ``mpx.with_stochastic_rounding`` keep none:
-  their ``master_params`` is ``None`` at every leaf, since each of their params
-  is exactly ``params + updates``. A registered class has a ``master_params``
-  attribute (a tree shaped like the params) and an ``inner_state`` field;
-  :func:`find_master_params` reads the one such state of an optimizer.
-  Registration rather than a base class, as a ``NamedTuple`` has none.
-  """
+  def weights(self, params: optax.Params) -> optax.Params:
+    """The masters, and every other param converted to at least float32."""
+    return base.weights_of(self.master_params, params, compensation=False)
 
 
-HalfParamsState.register(MasterParamsState)
-
-
-def _is_none(x: Any) -> bool:
-  return x is None
+base.HalfParamsState.register(MasterParamsState)
 
 
 def _check_master_dtype(params: optax.Params, master_dtype: np.dtype) -> None:
@@ -88,19 +79,9 @@ def check_masters(
     StateError: naming the first leaf whose master is missing, superfluous, or
       of the wrong shape or dtype, and how to rebuild a consistent state.
   """
-  fix = (
-    "Restore the optimizer state together with the params it was saved with, using "
-    "jax.eval_shape(tx.init, params) as the restore target, or rebuild it with tx.init(params)."
-  )
-  try:
-    pairs = jax.tree_util.tree_flatten_with_path(master_params, is_leaf=_is_none)[0]
-    param_leaves = jax.tree.structure(master_params, is_leaf=_is_none).flatten_up_to(params)
-  except (ValueError, TypeError) as e:
-    raise errors.StateError(
-      f"The master params in the optimizer state do not have the tree structure of the "
-      f"params ({e}). {fix}"
-    ) from None
-  for (path, master), param in zip(pairs, param_leaves, strict=True):
+  fix = base.FIX
+  mismatch = "The master params in the optimizer state do not have"
+  for path, master, param in base.pair_with_params(master_params, params, mismatch):
     where = f"params leaf {tree_lib.path_str(path)!r}"
     if master_dtype is None:
       wants_master = tree_lib.is_floating_array(param) and dtypes_lib.is_half(param.dtype)
@@ -132,22 +113,6 @@ def check_masters(
         f"{where} is {param.dtype} but its master is {master.dtype}, which cannot hold it "
         f"(were the params restored under a different policy?). {fix}"
       )
-
-
-def update_toward(target: jax.Array, param: jax.Array, wide_dtype: np.dtype) -> jax.Array:
-  """The param-dtype update ``u`` for which ``param + u`` is ``target``, where it can be.
-
-  The difference of two param-dtype values is computed in ``wide_dtype``,
-  where it is exact whenever it is representable at all; then ``param + u``
-  (what ``optax.apply_updates`` computes) is exactly ``target``.
-  """
-  diff = target.astype(wide_dtype) - param.astype(wide_dtype)
-  # A weight flipping from +max to -max needs a difference beyond the param
-  # dtype's range, which would round to inf and make p + u non-finite.
-  # Clamped, p + u stays finite and the next update lands on the target.
-  big = float(jnp.finfo(param.dtype).max)
-  diff = jnp.where(jnp.isfinite(target), jnp.clip(diff, -big, big), diff)
-  return diff.astype(param.dtype)
 
 
 def with_master_params(
@@ -234,7 +199,7 @@ def with_master_params(
       lambda p: p.astype(master_dtype) if _has_master(p, master_dtype) else None, params
     )
     inner_params = jax.tree.map(
-      lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
+      lambda m, p: p if m is None else m, masters, params, is_leaf=base.is_none
     )
     inner_state = tree_lib.place_state(inner.init(inner_params), inner_params)
     return MasterParamsState(masters, inner_state)
@@ -255,13 +220,13 @@ def with_master_params(
     check_masters(state.master_params, params, master_dtype)
     masters = state.master_params
     inner_params = jax.tree.map(
-      lambda m, p: p if m is None else m, masters, params, is_leaf=_is_none
+      lambda m, p: p if m is None else m, masters, params, is_leaf=base.is_none
     )
     inner_grads = jax.tree.map(
       lambda g, p: g.astype(p.dtype) if tree_lib.is_floating_array(g) and g.dtype != p.dtype else g,
       updates,
       inner_params,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
     inner_updates, inner_state = inner.update(
       inner_grads, state.inner_state, inner_params, **extra_args
@@ -270,64 +235,19 @@ def with_master_params(
       lambda m, u: None if m is None else m + u.astype(m.dtype),
       masters,
       inner_updates,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
 
     param_updates = jax.tree.map(
-      lambda m, p, u: u if m is None else update_toward(m.astype(p.dtype), p, m.dtype),
+      lambda m, p, u: u if m is None else base.update_toward(m.astype(p.dtype), p, m.dtype),
       new_masters,
       params,
       inner_updates,
-      is_leaf=_is_none,
+      is_leaf=base.is_none,
     )
     return param_updates, MasterParamsState(new_masters, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-
-
-def find_half_params_state(opt_state: optax.OptState) -> Any:
-  """Returns the one :class:`HalfParamsState` inside ``opt_state``, or ``None``.
-
-  Args:
-    opt_state: any optimizer state, e.g. that of ``mpx.mixed_precision``.
-
-  Returns:
-    The state of the one ``mpx.with_master_params``,
-    ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` inside
-    ``opt_state``, or ``None`` if there is none.
-
-  Raises:
-    StateError: ``opt_state`` holds more than one such state.
-  """
-  found = [node for _, node in tree_lib.find_nodes(opt_state, HalfParamsState)]
-  if len(found) > 1:
-    kinds = sorted({type(node).__name__ for node in found})
-    what = f"{kinds[0]} entries" if len(kinds) == 1 else f"entries ({', '.join(kinds)})"
-    raise errors.StateError(
-      f"The optimizer state holds {len(found)} {what}, so it is ambiguous which one keeps "
-      "the half-precision params. Wrap the whole optimizer in one mpx.with_master_params "
-      "(or mpx.mixed_precision) instead of each part; around mpx.with_kahan_summation or "
-      "mpx.with_stochastic_rounding, pass master_dtype=None to mpx.mixed_precision."
-    )
-  return found[0] if found else None
-
-
-def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
-  """Returns the master params held in ``opt_state``, or ``None`` if it has none.
-
-  Args:
-    opt_state: any optimizer state, e.g. that of ``mpx.mixed_precision``.
-
-  Returns:
-    The ``master_params`` tree of the one :class:`HalfParamsState` inside
-    ``opt_state`` (``None`` at leaves without a master: every leaf of a
-    compensated state), or ``None``.
-
-  Raises:
-    StateError: ``opt_state`` holds more than one :class:`HalfParamsState`.
-  """
-  state = find_half_params_state(opt_state)
-  return None if state is None else state.master_params
 
 
 def apply_updates(
@@ -360,7 +280,7 @@ def apply_updates(
   Raises:
     StateError: ``opt_state``'s masters do not have the structure of ``params``.
   """
-  masters = find_master_params(opt_state)
+  masters = base.find_master_params(opt_state)
   if masters is None:
     return optax.apply_updates(params, updates)
 

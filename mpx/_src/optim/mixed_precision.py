@@ -17,13 +17,11 @@ from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
-from mpx._src.optim import kahan as kahan_lib
-from mpx._src.optim import masters as master_params_lib
+from mpx._src.optim import base, masters
 from mpx._src.optim import state_dtype as state_dtype_lib
-from mpx._src.optim import stochastic_rounding as rounding_lib
-from mpx._src.scaling import finite_check
 from mpx._src.scaling import rules as scale_rules
-from mpx._src.scaling import transform as loss_scaling
+from mpx._src.scaling import transform
+from mpx._src.scaling.state import LossScaleState
 
 LossScaleSpec = str | float | Callable[[optax.GradientTransformation], Any] | None
 
@@ -37,14 +35,14 @@ def _loss_scaling(
     spec, bool
   ):  # a static scale; first, because `array == "dynamic"` is not a bool
     return functools.partial(
-      loss_scaling.static_loss_scale, scale=scale_rules.check_scale("loss_scale", spec)
+      transform.static_loss_scale, scale=scale_rules.check_scale("loss_scale", spec)
     )
   if spec is None:
-    return loss_scaling.no_loss_scale
+    return transform.no_loss_scale
   if spec == "dynamic":
     if _F16 in (policy.compute_dtype, policy.param_dtype):
-      return loss_scaling.dynamic_loss_scale
-    return loss_scaling.no_loss_scale  # bfloat16 and float32 gradients do not underflow
+      return transform.dynamic_loss_scale
+    return transform.no_loss_scale  # bfloat16 and float32 gradients do not underflow
   if isinstance(spec, str):
     if spec not in scale_rules.PRESETS:
       raise errors.ConfigError(
@@ -53,7 +51,7 @@ def _loss_scaling(
         "None for no scaling, or a function such as "
         "functools.partial(mpx.dynamic_loss_scale, growth_interval=500)."
       )
-    return functools.partial(loss_scaling.dynamic_loss_scale, preset=spec)
+    return functools.partial(transform.dynamic_loss_scale, preset=spec)
   if callable(spec):
     return spec
   raise errors.ConfigError(
@@ -177,7 +175,7 @@ def mixed_precision(
   policy = policy_lib.get_policy(policy)
   tx = inner
   if master_dtype is not None:
-    tx = master_params_lib.with_master_params(tx, master_dtype=master_dtype)
+    tx = masters.with_master_params(tx, master_dtype=master_dtype)
   tx = _loss_scaling(loss_scale, policy)(tx)
 
   def init_fn(params: optax.Params) -> optax.OptState:
@@ -193,7 +191,7 @@ def mixed_precision(
         stacklevel=2,
       )
     state = tx.init(params)
-    master_params_lib.find_half_params_state(state)  # masters around a compensated inner: raise
+    base.find_half_params_state(state)  # masters around a compensated inner: raise
     return state
 
   return optax.GradientTransformationExtraArgs(init_fn, tx.update)
@@ -201,7 +199,7 @@ def mixed_precision(
 
 def _check_typed(opt_state: optax.OptState) -> None:
   """Raises if ``opt_state`` lost its state types (an orbax restore without a target)."""
-  if tree_lib.find_nodes(opt_state, loss_scaling.LossScaleState):
+  if tree_lib.find_nodes(opt_state, LossScaleState):
     return
   for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
     names = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
@@ -211,6 +209,32 @@ def _check_typed(opt_state: optax.OptState) -> None:
         "mpx.LossScaleState: it was restored without a target, and neither mpx nor optax can "
         f"use it. {tree_lib.RESTORE_ADVICE}"
       )
+
+
+def _check_params(params: optax.Params, policy: policy_lib.Policy) -> list[tuple[Any, Any]]:
+  """Raises if restored params do not fit ``policy``; returns their floating leaves with paths."""
+  want = policy.param_dtype
+  floating = [
+    (path, leaf)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
+    if tree_lib.is_floating_array(leaf)
+  ]
+  for path, leaf in floating:
+    if not dtypes_lib.can_hold(leaf.dtype, want):
+      raise errors.StateError(
+        f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, but the policy "
+        f"({policy}) stores params in {want}. Restore with a target built under this policy "
+        "(jax.eval_shape of the model init and tx.init), or train with the policy the "
+        "checkpoint was saved under."
+      )
+  if dtypes_lib.is_half(want) and floating and all(leaf.dtype != want for _, leaf in floating):
+    raise errors.StateError(
+      f"The policy ({policy}) stores params in {want}, but every floating param is wider "
+      "(this checkpoint was saved by a run with float32 params). Cast them with "
+      "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
+      "checkpoint's policy."
+    )
+  return floating
 
 
 def check_state(
@@ -254,51 +278,17 @@ def check_state(
       where masters are expected; a moment not of ``state_dtype``.
   """
   policy = policy_lib.get_policy(policy)
-  want = policy.param_dtype
-  floating = [
-    (path, leaf)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    if tree_lib.is_floating_array(leaf)
-  ]
-  for path, leaf in floating:
-    if not dtypes_lib.can_hold(leaf.dtype, want):
-      raise errors.StateError(
-        f"params leaf {tree_lib.path_str(path)!r} has dtype {leaf.dtype}, but the policy "
-        f"({policy}) stores params in {want}. Restore with a target built under this policy "
-        "(jax.eval_shape of the model init and tx.init), or train with the policy the "
-        "checkpoint was saved under."
-      )
-  if dtypes_lib.is_half(want) and floating and all(leaf.dtype != want for _, leaf in floating):
-    raise errors.StateError(
-      f"The policy ({policy}) stores params in {want}, but every floating param is wider "
-      "(this checkpoint was saved by a run with float32 params). Cast them with "
-      "policy.cast_to_param(params) and rebuild the optimizer state with tx.init, or use the "
-      "checkpoint's policy."
-    )
+  floating = _check_params(params, policy)
   _check_typed(opt_state)
-  keeper = master_params_lib.find_half_params_state(opt_state)
-  if isinstance(keeper, kahan_lib.KahanState | rounding_lib.StochasticRoundingState):
-    if master_dtype is not None:
-      raise errors.StateError(
-        f"The optimizer state keeps half params with a {type(keeper).__name__} instead of "
-        f"float32 masters, but master_dtype={dtypes_lib.parse_dtype(master_dtype)} expects "
-        "masters. Pass "
-        "master_dtype=None, as to mpx.mixed_precision around a compensated optimizer."
-      )
-    if isinstance(keeper, kahan_lib.KahanState):
-      kahan_lib.check_compensation(keeper, params)
-    else:
-      rounding_lib.check_keys(keeper, params)
-  elif keeper is None:
-    if master_dtype is not None and any(dtypes_lib.is_half(leaf.dtype) for _, leaf in floating):
-      raise errors.StateError(
-        f"The params have {want} leaves but the optimizer state holds no master params, so "
-        "the float32 masters were lost (paper section 3.1). Restore the optimizer state with "
-        "jax.eval_shape(tx.init, params) as the target, where tx = mpx.mixed_precision(...)."
-      )
-  else:
-    expected = None if master_dtype is None else dtypes_lib.parse_dtype(master_dtype)
-    master_params_lib.check_masters(keeper.master_params, params, expected)
+  keeper = base.find_half_params_state(opt_state)
+  if keeper is not None:
+    keeper.check(params, None if master_dtype is None else dtypes_lib.parse_dtype(master_dtype))
+  elif master_dtype is not None and any(dtypes_lib.is_half(leaf.dtype) for _, leaf in floating):
+    raise errors.StateError(
+      f"The params have {policy.param_dtype} leaves but the optimizer state holds no master "
+      "params, so the float32 masters were lost (paper section 3.1). Restore the optimizer "
+      "state with jax.eval_shape(tx.init, params) as the target, where tx = mpx.mixed_precision(...)."
+    )
   if state_dtype is not None:
     state_dtype_lib.check_state_dtype(opt_state, state_dtype)
 
@@ -342,33 +332,7 @@ def get_master_params(opt_state: optax.OptState, params: optax.Params) -> optax.
     >>> params["w"], mpx.get_master_params(state, params)["w"]  # the master keeps the step
     (Array([1., 1.], dtype=float16), Array([0.9999, 0.9999], dtype=float32))
   """
-  keeper = master_params_lib.find_half_params_state(opt_state)
-  if isinstance(keeper, kahan_lib.KahanState):
-    stored = keeper.compensation
-  else:
-    stored = None if keeper is None else keeper.master_params
-
-  def absent(x: Any) -> bool:
-    return x is None or isinstance(x, optax.MaskedNode)
-
-  def wide(p: Any) -> Any:
-    if not tree_lib.is_floating_array(p):
-      return p
-    return p.astype(finite_check.unscaled_dtype(np.dtype(p.dtype)))
-
-  def one(s: Any, p: Any) -> Any:
-    if absent(s):
-      return wide(p)
-    if isinstance(keeper, kahan_lib.KahanState):
-      return wide(p) + s.astype(wide(p).dtype)
-    return s
-
-  if stored is None:
-    return jax.tree.map(wide, params)
-  try:
-    return jax.tree.map(one, stored, params, is_leaf=absent)
-  except ValueError as e:
-    raise errors.StateError(
-      f"The optimizer state's masters or compensation buffers do not have the tree structure "
-      f"of the params ({e}). Pass the params this optimizer state belongs to."
-    ) from None
+  keeper = base.find_half_params_state(opt_state)
+  if keeper is None:
+    return jax.tree.map(base.widened, params)
+  return keeper.weights(params)

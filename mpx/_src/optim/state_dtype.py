@@ -11,7 +11,7 @@ import optax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.optim import masters as master_params_lib
+from mpx._src.optim import base
 
 
 def _is_moment(leaf: Any) -> bool:
@@ -58,7 +58,7 @@ def find_moments(opt_state: optax.OptState) -> list[tuple[str, Any]]:
   """
 
   def is_wrapper(x: Any) -> bool:
-    return isinstance(x, master_params_lib.HalfParamsState) or _is_accumulating(x)
+    return isinstance(x, base.HalfParamsState) or _is_accumulating(x)
 
   found = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=is_wrapper)[0]:
@@ -170,7 +170,7 @@ def with_state_dtype(
     weight updates).
   """
   state_dtype = dtypes_lib.parse_dtype(state_dtype)
-  compute_dtype = state_dtype if state_dtype.itemsize > 4 else np.dtype(np.float32)
+  compute_dtype = dtypes_lib.at_least_float32(state_dtype)
   inner = optax.with_extra_args_support(inner)
 
   def cast(state: optax.OptState, dtype: np.dtype) -> optax.OptState:

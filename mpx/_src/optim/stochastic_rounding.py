@@ -11,12 +11,8 @@ import optax
 
 from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.optim import compensated as compensated_lib
-from mpx._src.optim import masters as master_params_lib
-
-_INT32_MAX = np.iinfo(np.int32).max
-_F32 = compensated_lib.F32
-_is_none = compensated_lib.is_none
+from mpx._src.dtypes import F32
+from mpx._src.optim import base
 
 
 class StochasticRoundingState(NamedTuple):
@@ -39,10 +35,19 @@ class StochasticRoundingState(NamedTuple):
   @property
   def master_params(self) -> optax.Params:
     """``None`` at every leaf: no masters, each param is exactly ``params + updates``."""
-    return compensated_lib.no_masters(self.keys)
+    return base.no_masters(self.keys)
+
+  def check(self, params: optax.Params, master_dtype: np.dtype | None) -> None:
+    """Raises if a run expects masters, or the keys do not fit ``params``."""
+    base.refuse_masters(self, master_dtype)
+    check_keys(self, params)
+
+  def weights(self, params: optax.Params) -> optax.Params:
+    """The params converted to at least float32: each is exactly its weight."""
+    return base.weights_of(self.master_params, params, compensation=False)
 
 
-master_params_lib.HalfParamsState.register(StochasticRoundingState)
+base.HalfParamsState.register(StochasticRoundingState)
 
 
 def check_keys(state: StochasticRoundingState, params: optax.Params) -> None:
@@ -56,7 +61,7 @@ def check_keys(state: StochasticRoundingState, params: optax.Params) -> None:
     StateError: naming the first leaf whose key is missing, superfluous or not
       raw uint32 key data.
   """
-  compensated_lib.check_buffers(
+  base.check_buffers(
     state.keys,
     params,
     what="rounding key",
@@ -74,12 +79,12 @@ def round_stochastically(x: jax.Array, dtype: np.dtype, uniform: jax.Array) -> j
   ``dtype``, infinities and NaN are returned as by ``x.astype(dtype)``.
   """
   nearest = x.astype(dtype)
-  near32 = nearest.astype(_F32)
+  near32 = nearest.astype(F32)
   toward = jnp.where(near32 < x, jnp.asarray(jnp.inf, dtype), jnp.asarray(-jnp.inf, dtype))
   other = jnp.nextafter(nearest, toward)
   # In [0, 1/2]; 0/0 (x a value of dtype, zero) and inf/inf (x beyond the
   # range) give NaN, which no uniform number is below.
-  frac = (x - near32) / (other.astype(_F32) - near32)
+  frac = (x - near32) / (other.astype(F32) - near32)
   return jnp.where(uniform < frac, other, nearest)
 
 
@@ -162,22 +167,20 @@ def with_stochastic_rounding(
     Practice*, AISTATS 2025 (bfloat16 AdamW with stochastic rounding against
     mixed precision, up to 6.7B parameters).
   """
-  base = _as_typed_key(key)
-  impl = jax.random.key_impl(base)
-  key_shape = jax.random.key_data(base).shape
+  root = _as_typed_key(key)
+  impl = jax.random.key_impl(root)
+  key_shape = jax.random.key_data(root).shape
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> StochasticRoundingState:
     leaves, treedef = jax.tree.flatten(params)
     keys = treedef.unflatten(
       [
-        jax.random.key_data(jax.random.fold_in(base, i))
-        if compensated_lib.is_compensated(p)
-        else None
+        jax.random.key_data(jax.random.fold_in(root, i)) if base.is_compensated(p) else None
         for i, p in enumerate(leaves)
       ]
     )
-    weights = compensated_lib.float32_weights(params, keys)
+    weights = base.float32_weights(params, keys)
     inner_state = tree_lib.place_state(inner.init(weights), weights)
     return StochasticRoundingState(keys, jnp.zeros((), jnp.int32), inner_state)
 
@@ -187,7 +190,7 @@ def with_stochastic_rounding(
     params: optax.Params | None = None,
     **extra_args: Any,
   ) -> tuple[optax.Updates, StochasticRoundingState]:
-    params = compensated_lib.require_params(params, "with_stochastic_rounding")
+    params = base.require_params(params, "with_stochastic_rounding")
     tree_lib.check_same_structure(updates, params, names=("gradients", "params"))
     check_keys(state, params)
     for path, k in jax.tree_util.tree_flatten_with_path(state.keys)[0]:
@@ -195,10 +198,10 @@ def with_stochastic_rounding(
         raise errors.StateError(
           f"The rounding key of params leaf {tree_lib.path_str(path)!r} has shape "
           f"{list(k.shape)}, but keys of this transformation's PRNG implementation ({impl}) "
-          f"have shape {list(key_shape)}. {compensated_lib.FIX}"
+          f"have shape {list(key_shape)}. {base.FIX}"
         )
-    weights = compensated_lib.float32_weights(params, state.keys)
-    inner_updates, inner_state = compensated_lib.inner_step(
+    weights = base.float32_weights(params, state.keys)
+    inner_updates, inner_state = base.inner_step(
       inner, updates, state.inner_state, weights, extra_args
     )
 
@@ -206,12 +209,12 @@ def with_stochastic_rounding(
       if k is None:
         return u
       step_key = jax.random.fold_in(jax.random.wrap_key_data(k, impl=impl), state.count)
-      uniform = jax.random.uniform(step_key, p.shape, _F32)
-      target = round_stochastically(p.astype(_F32) + u.astype(_F32), p.dtype, uniform)
-      return master_params_lib.update_toward(target, p, _F32)
+      uniform = jax.random.uniform(step_key, p.shape, F32)
+      target = round_stochastically(p.astype(F32) + u.astype(F32), p.dtype, uniform)
+      return base.update_toward(target, p, F32)
 
-    param_updates = jax.tree.map(one, state.keys, params, inner_updates, is_leaf=_is_none)
-    count = state.count + (state.count < _INT32_MAX).astype(jnp.int32)
+    param_updates = jax.tree.map(one, state.keys, params, inner_updates, is_leaf=base.is_none)
+    count = optax.safe_increment(state.count)
     return param_updates, StochasticRoundingState(state.keys, count, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

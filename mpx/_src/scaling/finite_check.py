@@ -15,16 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mpx._src import dtypes as dtypes_lib
+
 # The longest row XLA:CPU reduces in one kernel fused with its producer: a
 # longer reduction is split into a reduce-window and a reduce, which
 # materialises the producer's flags (docs/benchmarks.md, "Loss-scaling
 # overhead"). On other backends 32 is as good as any small width.
 _ROW = 32
-
-
-def unscaled_dtype(dtype: np.dtype) -> np.dtype:
-  """Returns the dtype a floating leaf of ``dtype`` is unscaled in: float32, or float64."""
-  return dtype if dtype.itemsize > 4 else np.dtype(np.float32)
 
 
 def all_finite(tree: Any) -> jax.Array:
@@ -102,7 +99,7 @@ def finite_after_unscale(
   inv = 1 / scale
   rows = []
   for g in leaves:
-    wide = unscaled_dtype(np.dtype(g.dtype))
+    wide = dtypes_lib.at_least_float32(g.dtype)
     rows.append(row_flags(jnp.isfinite(g.astype(wide) * inv.astype(wide))))
   ends = np.cumsum([r.size for r in rows])
   flags = jax.lax.optimization_barrier(jnp.concatenate(rows))

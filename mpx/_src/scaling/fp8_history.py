@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from mpx._src import errors
+from mpx._src import tree as tree_lib
+from mpx._src.scaling.state import LossScaleState, unwrap
 
 
 def _update_history(history: jax.Array, observed: jax.Array, commit: jax.Array) -> jax.Array:
@@ -87,24 +89,21 @@ def update_fp8_state(
   )
 
 
-def _unwrap(x: Any) -> Any:
-  # Flax NNX wraps optimizer-state leaves in Variables; read through them.
-  return x.get_value() if hasattr(x, "get_value") else x
-
-
 def _is_multisteps(node: Any) -> bool:
+  # optax.MultiStepsState, recognised by its fields: this module imports no optimizer code.
   return hasattr(node, "mini_step") and hasattr(node, "gradient_step")
 
 
-def _is_loss_scale(node: Any) -> bool:
-  # mpx.LossScaleState, recognised by its fields: this core module imports no optimizer code.
-  return hasattr(node, "consecutive_skips") and hasattr(node, "loss_scale")
-
-
-def _find(tree: Any, is_node: Any) -> list[Any]:
+def _find_multisteps(tree: Any) -> list[Any]:
   found: list[Any] = []
-  jax.tree.map(lambda n: found.append(n) if is_node(n) else None, tree, is_leaf=is_node)
+  jax.tree.map(
+    lambda n: found.append(n) if _is_multisteps(n) else None, tree, is_leaf=_is_multisteps
+  )
   return found
+
+
+def _loss_scales(tree: Any) -> list[LossScaleState]:
+  return [node for _, node in tree_lib.find_nodes(tree, LossScaleState)]
 
 
 def _step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
@@ -116,23 +115,23 @@ def _step_outcome(opt_state: Any) -> tuple[jax.Array, jax.Array]:
   skipped there. ``commit``: an update was applied, at a boundary and not
   skipped.
   """
-  multisteps = _find(opt_state, _is_multisteps)
+  multisteps = _find_multisteps(opt_state)
   if len(multisteps) > 1:
     raise errors.StateError(
       f"The optimizer state holds {len(multisteps)} optax.MultiSteps states; fp8 history "
       "commits need one. Pass commit= to update_fp8_state yourself."
     )
-  scales = _find(opt_state, _is_loss_scale)
+  scales = _loss_scales(opt_state)
   if len(scales) > 1:
     raise errors.StateError(
       f"The optimizer state holds {len(scales)} loss-scale states; fp8 history updates need "
       "one to tell a skipped step. Pass commit= to update_fp8_state yourself."
     )
-  boundary = jnp.asarray(True) if not multisteps else _unwrap(multisteps[0].mini_step) == 0
+  boundary = jnp.asarray(True) if not multisteps else unwrap(multisteps[0].mini_step) == 0
   if not scales:
     return boundary, jnp.asarray(False)
-  skipped = jnp.asarray(_unwrap(scales[0].consecutive_skips)) > 0
-  if multisteps and _find(multisteps[0].inner_opt_state, _is_loss_scale):
+  skipped = jnp.asarray(unwrap(scales[0].consecutive_skips)) > 0
+  if multisteps and _loss_scales(multisteps[0].inner_opt_state):
     skipped = skipped & boundary
   return boundary & ~skipped, skipped
 

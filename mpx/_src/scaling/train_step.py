@@ -1,4 +1,4 @@
-"""Reading the loss scale out of an optimizer state, and differentiating with it.
+"""The train-step helpers: differentiating with the loss scale, and reading its figures.
 
 A train step changes by two lines: ``mpx.value_and_grad(loss_fn, opt_state)``
 returns the true loss with the gradients of the scaled loss, and the
@@ -18,61 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import dtypes, errors
+from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.scaling import transform as loss_scaling
-from mpx._src.scaling.transform import LossScaleState
-
-
-def _value(x: Any) -> Any:
-  # Flax NNX wraps optimizer-state leaves in Variables; read through them.
-  return x.get_value() if hasattr(x, "get_value") else x
-
-
-def find_loss_scale_state(opt_state: Any) -> LossScaleState:
-  """Returns the single :class:`LossScaleState` inside ``opt_state``.
-
-  Args:
-    opt_state: any optax state tree.
-
-  Returns:
-    The loss-scale state (its leaves unwrapped from NNX variables, if any).
-
-  Raises:
-    StateError: if there is none, or more than one.
-  """
-  found = tree_lib.find_nodes(opt_state, LossScaleState)
-  if len(found) != 1:
-    where = ", ".join(repr(p) for p, _ in found)
-    problem = "contains none" if not found else f"contains {len(found)}, at {where}"
-    raise errors.StateError(
-      f"Expected exactly one LossScaleState in the optimizer state, but it {problem}. Build "
-      "the optimizer with a single mpx.dynamic_loss_scale, mpx.static_loss_scale or "
-      "mpx.no_loss_scale around it, and pass its state (or the scale array itself)."
-    )
-  return jax.tree.map(_value, found[0][1], is_leaf=lambda x: hasattr(x, "get_value"))
-
-
-def get_loss_scale(opt_state: Any) -> jax.Array:
-  """Returns the current loss scale held anywhere inside ``opt_state``.
-
-  Args:
-    opt_state: an optax state that contains one :class:`LossScaleState`.
-
-  Returns:
-    The float32 scalar scale.
-
-  Raises:
-    StateError: if ``opt_state`` holds no loss-scale state, or several.
-
-  Example:
-    >>> import jax.numpy as jnp, optax, mpx
-    >>> inner = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1))
-    >>> tx = mpx.dynamic_loss_scale(inner)  # decay sees unscaled gradients
-    >>> mpx.get_loss_scale(tx.init({"w": jnp.ones(2)}))
-    Array(32768., dtype=float32)
-  """
-  return find_loss_scale_state(opt_state).loss_scale
+from mpx._src.scaling import transform
+from mpx._src.scaling.state import find_loss_scale_state, loss_scale_value
+from mpx._src.scaling.state import get_loss_scale as get_loss_scale
 
 
 def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
@@ -189,18 +139,6 @@ def check_loss_scale(opt_state: Any) -> None:
     )
 
 
-def _scale_of(opt_state_or_scale: Any) -> jax.Array:
-  if tree_lib.is_array(opt_state_or_scale) or isinstance(opt_state_or_scale, float):
-    scale = jnp.asarray(opt_state_or_scale)
-    if scale.shape != () or not dtypes.is_floating(scale.dtype):
-      raise errors.StateError(
-        f"A loss scale must be a floating scalar, got shape {scale.shape} and dtype "
-        f"{scale.dtype}. Pass the optimizer state or mpx.get_loss_scale(opt_state)."
-      )
-    return scale.astype(jnp.float32)
-  return get_loss_scale(opt_state_or_scale).astype(jnp.float32)
-
-
 def scale(tree: Any, opt_state_or_scale: Any) -> Any:
   """Multiplies every floating leaf of ``tree`` by the current loss scale.
 
@@ -234,7 +172,7 @@ def scale(tree: Any, opt_state_or_scale: Any) -> Any:
     >>> mpx.value_and_grad(loss_fn, s)(jnp.float32(0.5), jnp.ones(2))
     (Array(3., dtype=float32), Array(10240., dtype=float32))
   """
-  return loss_scaling.multiply(tree, _scale_of(opt_state_or_scale))
+  return transform.multiply(tree, loss_scale_value(opt_state_or_scale))
 
 
 def unscale(tree: Any, opt_state_or_scale: Any) -> Any:
@@ -266,7 +204,7 @@ def unscale(tree: Any, opt_state_or_scale: Any) -> Any:
     >>> grads["w"], mpx.unscale(grads, state)["w"]
     (Array([65536., 65536.], dtype=float32), Array([2., 2.], dtype=float32))
   """
-  return loss_scaling.multiply(tree, 1 / _scale_of(opt_state_or_scale))
+  return transform.multiply(tree, 1 / loss_scale_value(opt_state_or_scale))
 
 
 def _has_nnx_object(tree: Any) -> bool:
@@ -315,7 +253,7 @@ def value_and_grad(
     >>> loss, grads
     (Array(2., dtype=float32), Array([16., 16.], dtype=float32))
   """
-  loss_scale = _scale_of(opt_state_or_scale)
+  loss_scale = loss_scale_value(opt_state_or_scale)
 
   # `wraps` gives `scaled` the signature of `fun`, which nnx.grad reads to
   # turn keyword arguments into positional ones.

@@ -7,65 +7,17 @@ One transformation, driven by a static rule (``mpx._src.scaling.rules``), serves
 
 from __future__ import annotations
 
-import warnings
-from typing import Any, NamedTuple, cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import optax
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.optim import masters as master_params_lib
-from mpx._src.scaling import finite_check
+from mpx._src.scaling import finite_check, misuse
 from mpx._src.scaling import rules as scale_rules
-
-
-class LossScaleState(NamedTuple):
-  """State of every loss-scaling transformation.
-
-  Attributes:
-    loss_scale: float32 scalar, the scale of the next step's loss.
-    growth_tracker: int32 scalar, finite steps counted toward the next growth.
-    hysteresis_tracker: int32 scalar, overflows left before the scale backs off.
-    skipped_steps: int32 scalar, total non-finite steps (saturating).
-    consecutive_skips: int32 scalar, non-finite steps since the last finite one
-      (saturating).
-    diverged: bool scalar, set (and kept) once gradients overflowed while the
-      scale was already at its floor; see :func:`mpx.check_loss_scale`.
-    skip_history: uint32 scalar, the last 32 steps as bits: bit ``i`` is set
-      when the step ``i`` updates ago was skipped (bit 0: the last one).
-    nonfinite_leaf: int32 scalar, in the last skipped step, the index (into
-      ``jax.tree.leaves(grads)``) of the first gradient leaf with an element
-      that was not finite once unscaled; ``-1`` before any skip. Kept until
-      the next skip; :func:`mpx.nonfinite_gradient_paths` names it.
-    inner_state: the state of the wrapped transformation.
-  """
-
-  loss_scale: jax.Array
-  growth_tracker: jax.Array
-  hysteresis_tracker: jax.Array
-  skipped_steps: jax.Array
-  consecutive_skips: jax.Array
-  diverged: jax.Array
-  skip_history: jax.Array
-  nonfinite_leaf: jax.Array
-  inner_state: optax.OptState
-
-  @property
-  def last_step_skipped(self) -> jax.Array:
-    """Whether the last ``update`` skipped its step (``consecutive_skips > 0``), a bool scalar.
-
-    Example:
-      >>> import jax.numpy as jnp, optax, mpx
-      >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
-      >>> params = {"w": jnp.ones(2)}
-      >>> _, state = tx.update({"w": jnp.array([1.0, jnp.nan])}, tx.init(params), params)
-      >>> state.last_step_skipped
-      Array(True, dtype=bool)
-    """
-    return self.consecutive_skips > 0
+from mpx._src.scaling.state import LossScaleState
 
 
 def multiply(tree: Any, factor: jax.Array) -> Any:
@@ -78,7 +30,7 @@ def multiply(tree: Any, factor: jax.Array) -> Any:
   def one(x: Any) -> Any:
     if not tree_lib.is_floating_array(x):
       return x
-    dtype = finite_check.unscaled_dtype(x.dtype)
+    dtype = dtypes_lib.at_least_float32(x.dtype)
     return x.astype(dtype) * factor.astype(dtype)
 
   return jax.tree.map(one, tree)
@@ -111,98 +63,47 @@ def _check_grads(grads: Any, params: Any) -> None:
     tree_lib.check_same_shapes(grads, params, names=("gradients", "params"))
 
 
-def _warn_without_masters(params: Any, inner_state: Any) -> None:
-  """Warns about half-precision params trained without float32 masters (paper section 3.1)."""
-  half = [
-    (path, leaf.dtype)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]
-    if tree_lib.is_floating_array(leaf) and dtypes_lib.is_half(leaf.dtype)
-  ]
-  if not half or master_params_lib.find_master_params(inner_state) is not None:
-    return
-  path, dtype = half[0]
-  warnings.warn(
-    f"{len(half)} params (e.g. {tree_lib.path_str(path)!r}, {dtype}) are stored in half "
-    "precision and the optimizer keeps no float32 master copy, so every update smaller than "
-    "half an ulp of its weight is rounded away and training stalls (paper section 3.1). "
-    "Keep float32 masters: use mpx.mixed_precision(inner, policy) with its default "
-    "master_dtype=jnp.float32, or wrap the optimizer as loss_scale(mpx.with_master_params(inner)).",
-    errors.PrecisionWarning,
-    stacklevel=3,
+def _initial_state(rule: scale_rules.Rule, inner_state: optax.OptState) -> LossScaleState:
+  growth, hysteresis = rule.initial_trackers
+  # One array per field: a buffer shared by two leaves cannot be donated.
+  return LossScaleState(
+    loss_scale=jnp.asarray(rule.initial_scale, jnp.float32),
+    growth_tracker=jnp.asarray(growth, jnp.int32),
+    hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
+    skipped_steps=jnp.zeros((), jnp.int32),
+    consecutive_skips=jnp.zeros((), jnp.int32),
+    diverged=jnp.zeros((), jnp.bool_),
+    skip_history=jnp.zeros((), jnp.uint32),
+    nonfinite_leaf=jnp.full((), -1, jnp.int32),
+    inner_state=inner_state,
   )
 
 
-def _computed_from(outputs: list[Any], sources: list[Any]) -> bool | None:
-  """Whether a traced output was computed from one of ``sources``, in the trace being built.
-
-  Walks the equations recorded so far backwards from ``outputs`` (each
-  ``jit`` tracer knows the equation that made it). Every input of an
-  equation counts as a dependency, so the answer errs toward ``True``.
-
-  Returns:
-    ``None`` when it cannot tell: an output is not a tracer of the current
-    ``jit`` trace (eager values, ``vmap``), or JAX records tracers otherwise.
-  """
-  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-  if not outputs or not all(isinstance(x, tracer) and hasattr(x, "parent") for x in outputs):
-    return None
-  wanted = {id(x) for x in sources}
-  seen: set[int] = set()
-  stack = list(outputs)
-  while stack:
-    x = stack.pop()
-    if id(x) in seen:
-      continue
-    seen.add(id(x))
-    if id(x) in wanted:
-      return True
-    parent = getattr(x, "parent", None)
-    if parent is None:
-      continue
-    inputs = getattr(parent, "in_tracers", None)
-    if inputs is None:
-      return None
-    stack.extend(inputs)
-  return False
-
-
-_warned_unscaled = False
-
-
-def _warn_if_unscaled(grads: Any, params: Any, loss_scale: Any) -> None:
-  """Warns once when the gradients were differentiated without the loss scale.
-
-  A train step that keeps ``jax.value_and_grad`` under a loss scale hands
-  true gradients to ``update``, which divides them by the scale (2**15):
-  SGD then barely moves, silently. The check runs while ``update`` is traced
-  together with the gradient computation (one ``jit``): it warns when the
-  gradients were computed from ``params`` but not from the state's loss
-  scale, which every scaled loss multiplies by (:func:`mpx.value_and_grad`,
-  :func:`mpx.scale`, or by hand, ``loss * opt_state.loss_scale``). A
-  dependency test, not a magnitude test, so gradients that are legitimately
-  tiny or huge never trigger it. It stays silent when it cannot tell:
-  gradients passed into the traced function, an eager ``update``, other
-  tracers than ``jit``'s, or an inner ``update`` (under ``MultiSteps``) that
-  sees the accumulated mean rather than the params' gradients.
-  """
-  global _warned_unscaled
-  if _warned_unscaled or params is None:
-    return
-  grads_leaves, param_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
-  if _computed_from(grads_leaves, param_leaves) is not True:
-    return
-  if _computed_from(grads_leaves, [loss_scale]) is not False:
-    return
-  _warned_unscaled = True
-  warnings.warn(
-    "The gradients passed to the loss-scaling update were computed from the params but not "
-    "from the loss scale: the loss was differentiated unscaled (jax.value_and_grad or "
-    "jax.grad), so update divides true gradients by the scale and SGD-like optimizers barely "
-    "move. Differentiate with mpx.value_and_grad(loss_fn, opt_state) instead of "
-    "jax.value_and_grad(loss_fn); in a hand-written step, differentiate "
-    "mpx.scale(loss, opt_state). This warning is shown once.",
-    errors.PrecisionWarning,
-    stacklevel=3,
+def _next_state(
+  rule: scale_rules.Rule,
+  state: LossScaleState,
+  ok: jax.Array,
+  leaf: jax.Array,
+  inner_state: optax.OptState,
+) -> LossScaleState:
+  """The state after a step that was finite (``ok``) or not, ``leaf`` the first bad leaf."""
+  scale, growth, hysteresis = rule.adjust(
+    ok, state.loss_scale, state.growth_tracker, state.hysteresis_tracker
+  )
+  skipped = jnp.logical_not(ok)
+  at_floor = state.loss_scale <= jnp.float32(rule.min_scale)
+  return LossScaleState(
+    loss_scale=scale,
+    growth_tracker=growth,
+    hysteresis_tracker=hysteresis,
+    skipped_steps=jnp.where(ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
+    consecutive_skips=jnp.where(
+      ok, jnp.zeros_like(state.consecutive_skips), optax.safe_increment(state.consecutive_skips)
+    ),
+    diverged=state.diverged | (skipped & at_floor),
+    skip_history=(state.skip_history << jnp.uint32(1)) | skipped.astype(jnp.uint32),
+    nonfinite_leaf=jnp.where(ok, state.nonfinite_leaf, leaf),
+    inner_state=inner_state,
   )
 
 
@@ -214,21 +115,8 @@ def _loss_scaling(
 
   def init_fn(params: optax.Params) -> LossScaleState:
     inner_state = inner.init(params)
-    _warn_without_masters(params, inner_state)
-    growth, hysteresis = rule.initial_trackers
-    # One array per field: a buffer shared by two leaves cannot be donated.
-    state = LossScaleState(
-      loss_scale=jnp.asarray(rule.initial_scale, jnp.float32),
-      growth_tracker=jnp.asarray(growth, jnp.int32),
-      hysteresis_tracker=jnp.asarray(hysteresis, jnp.int32),
-      skipped_steps=jnp.zeros((), jnp.int32),
-      consecutive_skips=jnp.zeros((), jnp.int32),
-      diverged=jnp.zeros((), jnp.bool_),
-      skip_history=jnp.zeros((), jnp.uint32),
-      nonfinite_leaf=jnp.full((), -1, jnp.int32),
-      inner_state=inner_state,
-    )
-    return tree_lib.place_state(state, params)
+    misuse.warn_without_masters(params, inner_state)
+    return tree_lib.place_state(_initial_state(rule, inner_state), params)
 
   def update_fn(
     updates: optax.Updates,
@@ -243,7 +131,7 @@ def _loss_scaling(
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
       return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
 
-    _warn_if_unscaled(updates, params, state.loss_scale)
+    misuse.warn_if_unscaled(updates, params, state.loss_scale)
     ok, leaf = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
     grads = multiply(updates, 1 / state.loss_scale)
     new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
@@ -252,24 +140,7 @@ def _loss_scaling(
       lambda u: jnp.where(ok, u, -0.0), _in_param_dtypes(new_updates, params)
     )
     inner_state = _select(ok, inner_state, state.inner_state)
-    scale, growth, hysteresis = rule.adjust(
-      ok, state.loss_scale, state.growth_tracker, state.hysteresis_tracker
-    )
-    skipped = jnp.logical_not(ok)
-    at_floor = state.loss_scale <= jnp.float32(rule.min_scale)
-    return new_updates, LossScaleState(
-      loss_scale=scale,
-      growth_tracker=growth,
-      hysteresis_tracker=hysteresis,
-      skipped_steps=jnp.where(ok, state.skipped_steps, optax.safe_increment(state.skipped_steps)),
-      consecutive_skips=jnp.where(
-        ok, jnp.zeros_like(state.consecutive_skips), optax.safe_increment(state.consecutive_skips)
-      ),
-      diverged=state.diverged | (skipped & at_floor),
-      skip_history=(state.skip_history << jnp.uint32(1)) | skipped.astype(jnp.uint32),
-      nonfinite_leaf=jnp.where(ok, state.nonfinite_leaf, leaf),
-      inner_state=inner_state,
-    )
+    return new_updates, _next_state(rule, state, ok, leaf, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -12,8 +12,8 @@ import importlib as _importlib
 import typing as _typing
 
 from mpx._src.adapters.keep import KeepRules as KeepRules
-from mpx._src.audit.report import AuditReport as AuditReport
 from mpx._src.audit.ops import MatmulOp as MatmulOp
+from mpx._src.audit.report import AuditReport as AuditReport
 from mpx._src.audit.report import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
 from mpx._src.diagnostics.activations import ActivationStats as ActivationStats
@@ -59,14 +59,14 @@ from mpx._src.recipe import Fp8Recipe as Fp8Recipe
 from mpx._src.scaling.finite_check import all_finite as all_finite
 from mpx._src.scaling.fp8_history import accumulation_boundary as accumulation_boundary
 from mpx._src.scaling.fp8_history import update_fp8_state as update_fp8_state
+from mpx._src.scaling.state import LossScaleState as LossScaleState
+from mpx._src.scaling.state import get_loss_scale as get_loss_scale
 from mpx._src.scaling.train_step import check_loss_scale as check_loss_scale
-from mpx._src.scaling.train_step import get_loss_scale as get_loss_scale
 from mpx._src.scaling.train_step import loss_scale_metrics as loss_scale_metrics
 from mpx._src.scaling.train_step import nonfinite_gradient_paths as nonfinite_gradient_paths
 from mpx._src.scaling.train_step import scale as scale
 from mpx._src.scaling.train_step import unscale as unscale
 from mpx._src.scaling.train_step import value_and_grad as value_and_grad
-from mpx._src.scaling.transform import LossScaleState as LossScaleState
 from mpx._src.scaling.transform import dynamic_loss_scale as dynamic_loss_scale
 from mpx._src.scaling.transform import no_loss_scale as no_loss_scale
 from mpx._src.scaling.transform import static_loss_scale as static_loss_scale

@@ -25,7 +25,7 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 }
 
 # Substrings of jax's device_kind, most specific first ("NVIDIA H100 80GB HBM3" is an SXM part).
-_KINDS = (
+_DEVICE_KINDS = (
   ("H200", "H200"),
   ("H100 PCIe", "H100 PCIe"),
   ("H100", "H100 SXM"),
@@ -47,7 +47,7 @@ def device_name(device: str) -> str | None:
   """
   if device in PEAK_TFLOPS:
     return device
-  return next((name for key, name in _KINDS if re.search(rf"\b{key}\b", device)), None)
+  return next((name for key, name in _DEVICE_KINDS if re.search(rf"\b{key}\b", device)), None)
 
 
 def peak_tflops(device: str) -> dict[str, float]:

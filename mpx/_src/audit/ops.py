@@ -81,7 +81,7 @@ class MatmulOp:
   def is_fp8(self) -> bool:
     """Whether both operands are float8: dequantised float8 tensors, or float8 arrays themselves."""
     return all(
-      f is not None or (dtypes_lib.is_floating(d) and d.itemsize == 1)
+      f is not None or (dtypes_lib.is_float8(d))
       for f, d in zip(self.fp8, (self.lhs_dtype, self.rhs_dtype), strict=True)
     )
 

@@ -17,7 +17,7 @@ import numpy as np
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 
-_KINDS = {
+_PRODUCT_OPS = {
   "stablehlo.dot_general": "dot_general",
   "stablehlo.dot": "dot",
   "stablehlo.convolution": "convolution",
@@ -301,7 +301,7 @@ def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
     source, _ = _tensor(str(owner.operands[0].type))
     if depth < 4 and str(owner.operands[0].type) == str(value.type):
       return _dequantized_from(owner.operands[0], depth + 1)  # an identity convert
-    return source if dtypes_lib.is_floating(source) and source.itemsize == 1 else None
+    return source if dtypes_lib.is_float8(source) else None
   if depth < 4 and name in ("stablehlo.multiply", "stablehlo.divide"):
     return _dequantized_from(owner.operands[0], depth + 1) or (
       _dequantized_from(owner.operands[1], depth + 1) if name == "stablehlo.multiply" else None
@@ -313,7 +313,7 @@ def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
 
 def _record(raw: dict[str, Any]) -> dict[str, Any]:
   op = raw["op"]
-  kind = _KINDS[op.name]
+  kind = _PRODUCT_OPS[op.name]
   attrs = _attributes(op)
   lhs_dtype, lhs_shape = _tensor(str(op.operands[0].type))
   rhs_dtype, rhs_shape = _tensor(str(op.operands[1].type))
@@ -361,7 +361,7 @@ def matmul_ops(module: Any) -> list[dict[str, Any]]:
   Returns:
     One dict per op with the fields of ``mpx.MatmulOp`` except ``share``.
   """
-  return [_record(raw) for raw in _collect(module, frozenset(_KINDS))]
+  return [_record(raw) for raw in _collect(module, frozenset(_PRODUCT_OPS))]
 
 
 _SUMS = frozenset({"stablehlo.reduce", "stablehlo.reduce_window"})

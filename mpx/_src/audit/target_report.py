@@ -67,7 +67,7 @@ class TargetGemm:
   @property
   def is_fp8(self) -> bool:
     """Whether both operands are float8 as multiplied."""
-    return all(dtypes_lib.is_floating(d) and d.itemsize == 1 for d in self.dtypes)
+    return all(dtypes_lib.is_float8(d) for d in self.dtypes)
 
   @property
   def is_half(self) -> bool:

@@ -5,7 +5,7 @@ made on the device), the loss, the optimizer and the train step. Every step
 is ``step(carry, batch) -> (carry, loss)``: forward, backward and an
 ``optax.adamw`` update, with the loss scaling and master weights of its
 configuration. The models are written without any precision argument
-(``_gpt2``, ``_resnet50``); each configuration reaches them its own way:
+(``_gpt``, ``_resnet50``); each configuration reaches them its own way:
 
 * ``f32_highest`` / ``f32``: as written, float32, with
   ``jax.default_matmul_precision("highest")`` or JAX's default precision
@@ -30,7 +30,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import _gpt2
+import _gpt
 import _resnet50
 import jax
 import jax.numpy as jnp
@@ -111,11 +111,11 @@ Apply = Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]]
 
 
 def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = _gpt2.GPT2Config.smoke() if smoke else _gpt2.GPT2Config()
-  module: Any = _gpt2.GPT2(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
+  cfg = _gpt.GPTConfig.smoke() if smoke else _gpt.GPTConfig()
+  module: Any = _gpt.GPT(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
-  batch = _gpt2.make_batch(cfg)
+  batch = _gpt.make_batch(cfg)
 
   def init():
     return module.init(jax.random.key(0), jnp.asarray(batch["x"][:1]))["params"], {}
@@ -127,11 +127,11 @@ def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
 
 
 def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = _gpt2.GPT2Config.smoke() if smoke else _gpt2.GPT2Config()
+  cfg = _gpt.GPTConfig.smoke() if smoke else _gpt.GPTConfig()
   dtype = jnp.bfloat16 if config == "bf16_flax" else None
 
   def build():
-    model = _gpt2.NnxGPT2(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    model = _gpt.NnxGPT(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     if config in _MPX_POLICIES:
       model = mpx.nnx.apply_policy(model, _MPX_POLICIES[config], rules=rules)
     return model
@@ -147,7 +147,7 @@ def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
     model = nnx.merge(graphdef, params, rest, copy=True)
     return model(x), nnx.state(model, nnx.Not(nnx.Param))
 
-  return init, apply, _gpt2.make_batch(cfg)
+  return init, apply, _gpt.make_batch(cfg)
 
 
 def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
@@ -228,7 +228,7 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
   Args:
     model: a key of :data:`MODELS`.
     config: a key of :data:`CONFIGS`.
-    smoke: the small version of the model (``GPT2Config.smoke()``...).
+    smoke: the small version of the model (``GPTConfig.smoke()``...).
     loss_scale: for the mpx configurations, ``mpx.mixed_precision``'s
       ``loss_scale`` (``None`` times a float16 step without loss scaling).
 

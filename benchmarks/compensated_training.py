@@ -143,7 +143,7 @@ def rounding_misses(*, lr: float, steps: int, batch: int = 128) -> dict:
   each step, recomputes the rounded targets from the documented random stream
   (``fold_in(fold_in(key, leaf_index), count)``) and the inner adam update.
   """
-  from mpx._src import stochastic_rounding  # the rounding itself, to restate the targets
+  from mpx._src.optim import stochastic_rounding  # the rounding itself, to restate the targets
 
   x, y = _digits()
   model = mpx.linen.apply_policy(MLP(), mpx.get_policy(BF16))

@@ -17,6 +17,7 @@ Usage: ``python benchmarks/half_all_reduce.py [--steps 60] [--quick] [--out FILE
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -29,16 +30,17 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEV
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import mpx  # noqa: E402
-from mpx.demo import _cli, _configs, _data, _settings, _train  # noqa: E402
-from mpx.demo._model import CharTransformer  # noqa: E402
+import mpx.demo as demo  # noqa: E402
 
 DEFAULT_OUT = pathlib.Path(__file__).parent / "results" / "half_all_reduce.json"
 _SHAPE = re.compile(r"\b(f16|bf16|f32)\[([0-9,]*)\]")
 _BYTES = {"f16": 2, "bf16": 2, "f32": 4}
+_CONFIGS = {config.name: config for config in demo.CONFIGS}
 
 
 def all_reduce_operands(hlo: str) -> list[tuple[str, int]]:
@@ -69,11 +71,11 @@ def _gradient_bytes(found: list[tuple[str, int]]) -> dict[str, int]:
   return by_dtype
 
 
-def run(config_name: str, reduce_dtype: str, settings: _settings.Settings, data, mesh) -> dict:
+def run(config_name: str, reduce_dtype: str, settings: demo.Settings, data, mesh) -> dict:
   """Trains one configuration with one reduction dtype; returns its figures and params."""
-  config = _configs.BY_NAME[config_name]
-  model = mpx.linen.apply_policy(CharTransformer(settings.model), config.policy)
-  tx = _train.make_optimizer(config, settings)
+  config = _CONFIGS[config_name]
+  model = mpx.linen.apply_policy(demo.CharTransformer(settings.model), config.policy)
+  tx = demo.make_optimizer(config, settings)
   params = model.init(jax.random.key(settings.seed), data.train[0, :, :-1])["params"]
   replicated = NamedSharding(mesh, P())
   params = jax.device_put(params, replicated)
@@ -83,7 +85,7 @@ def run(config_name: str, reduce_dtype: str, settings: _settings.Settings, data,
   def local_step(params, opt_state, windows):
     def objective(p):
       logits = model.apply({"params": p}, windows[:, :-1])
-      losses = _train.optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+      losses = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
       return losses.sum() / global_tokens, losses.mean()
 
     varying = jax.lax.pcast(params, "data", to="varying")
@@ -111,7 +113,7 @@ def run(config_name: str, reduce_dtype: str, settings: _settings.Settings, data,
     params, opt_state, loss = step(params, opt_state, jax.device_put(data.train[i], batch_sharding))
     losses.append(float(loss))
   evaluate = jax.jit(
-    lambda p: _train.optax.softmax_cross_entropy_with_integer_labels(
+    lambda p: optax.softmax_cross_entropy_with_integer_labels(
       model.apply({"params": p}, data.valid[:, :-1]), data.valid[:, 1:]
     ).mean()
   )
@@ -142,21 +144,12 @@ def main() -> None:
   if jax.device_count() != DEVICES:
     sys.exit(f"needs {DEVICES} devices, got {jax.device_count()}; unset XLA_FLAGS")
   jax.config.update("jax_numpy_dtype_promotion", "strict")
-  base = _cli.QUICK if args.quick else _cli.DEFAULT
-  # The local batch is the demo's; the 4 devices together see 4 times as many tokens.
-  settings = _settings.Settings(**{**base.__dict__, "steps": args.steps})
-  corpus = _data.load_corpus()
-  data = _settings.make_data(settings, corpus)
-  data = _settings.Data(
-    train=_data.sample_windows(
-      corpus.train,
-      count=settings.steps * settings.batch_size * DEVICES,
-      seq_len=settings.model.max_len,
-      seed=settings.seed,
-    ).reshape(settings.steps, settings.batch_size * DEVICES, -1),
-    valid=data.valid,
-    probe=data.probe,
-  )
+  base = demo.QUICK_SETTINGS if args.quick else demo.DEFAULT_SETTINGS
+  settings = dataclasses.replace(base, steps=args.steps)
+  # The local batch is the demo's; the 4 devices together see 4 times as many tokens
+  # (the validation windows are the demo's: a longer draw starts with the same ones).
+  global_batch = dataclasses.replace(settings, batch_size=settings.batch_size * DEVICES)
+  data = demo.make_data(global_batch, demo.load_corpus())
   mesh = Mesh(np.array(jax.devices()), ("data",))
   rows = []
   for config_name, half in (("mixed_float16", "float16"), ("mixed_bfloat16", "bfloat16")):

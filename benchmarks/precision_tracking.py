@@ -3,9 +3,9 @@
 Runs the same training loops the tests assert on, and prints the figures the
 tests only bound:
 
-* master weights and the composite optimizer (``tests/test_mixed_precision.py``):
+* master weights and the composite optimizer (``tests/optim/test_mixed_precision.py``):
   a Flax MLP on scikit-learn's digits, 150 adam steps, under layouts (a) and (b);
-* Flax policies (``tests/test_policy_models.py``): a GPT-style linen decoder and an
+* Flax policies (``tests/integration/test_policy_models.py``): a GPT-style linen decoder and an
   NNX decoder on ``pydoc_data.topics`` and a ResNet with BatchNorm on digits,
   300 adamw steps, ``mixed_bfloat16`` against ``float32``.
 
@@ -22,10 +22,12 @@ import sys
 import jax
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests"
+# The test modules, and the modules beside them that they import (tests/models.py ...).
+sys.path[:0] = [str(TESTS / "optim"), str(TESTS / "integration"), str(TESTS)]
 
-import test_mixed_precision as layouts
-import test_policy_models as models
+import test_mixed_precision as layouts  # noqa: E402
+import test_policy_models as models  # noqa: E402
 
 
 def _row(name: str, reference: np.ndarray, mixed: np.ndarray, window: int, skip: int) -> dict:

@@ -29,23 +29,23 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 
 import mpx
-from mpx.demo import _configs, _data, _settings, _train
-from mpx.demo._cli import _parser as demo_parser
-from mpx.demo._cli import _settings_from
-from mpx.demo._model import CharTransformer
+import mpx.demo as demo
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
-def weight_gradients(settings: _settings.Settings, params: Any, windows: Any) -> Any:
+def weight_gradients(settings: demo.Settings, params: Any, windows: Any) -> Any:
   """Gradients of the demo's objective with respect to the float32 params (scale 1)."""
-  model = CharTransformer(settings.model)
+  model = demo.CharTransformer(settings.model)
   global_tokens = float(settings.global_batch_tokens)
 
   def objective(p: Any) -> jax.Array:
-    return _train._token_losses(model, {"params": p}, windows).sum() / global_tokens
+    logits = model.apply({"params": p}, windows[:, :-1])
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, windows[:, 1:])
+    return losses.sum() / global_tokens
 
   return settings.jit(jax.grad(objective))(params)
 
@@ -55,17 +55,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--quick", action="store_true", help="the demo's --quick settings")
   parser.add_argument("--out", default=str(RESULTS / "recommended_scale.json"))
   args = parser.parse_args(argv)
-  settings = _settings_from(demo_parser().parse_args(["--quick"] if args.quick else []))
+  settings = demo.QUICK_SETTINGS if args.quick else demo.DEFAULT_SETTINGS
   start = time.perf_counter()
-  corpus = _data.load_corpus()
-  data = _settings.make_data(settings, corpus)
+  data = demo.make_data(settings, demo.load_corpus())
 
-  model = CharTransformer(settings.model)
+  model = demo.CharTransformer(settings.model)
   params = settings.jit(model.init)(jax.random.key(settings.seed), data.train[0, :, :-1])["params"]
   tree = {
-    "activation_gradients": jnp.asarray(
-      _train.activation_gradients(settings, params, data.train[0])
-    ),
+    "activation_gradients": jnp.asarray(demo.activation_gradients(settings, params, data.train[0])),
     "weight_gradients": weight_gradients(settings, params, jnp.asarray(data.train[0])),
   }
   rec = mpx.recommend_scale(tree, jnp.float16)
@@ -78,12 +75,12 @@ def main(argv: list[str] | None = None) -> None:
   )
   print(summary)
 
-  base = _configs.BY_NAME
+  base = {config.name: config for config in demo.CONFIGS}
   configs = [base["float32"]] + [
     dataclasses.replace(base[name], name=f"{name}_static", loss_scaling=scale)
     for name in ("mixed_float16", "float16_masters")
   ]
-  results = [_train.train(config, settings, data) for config in configs]
+  results = [demo.train(config, settings, data) for config in configs]
   float32_val = results[0].eval_losses[-1]
   rows = []
   print(f"\nstatic scale {scale:g} (2**{math.log2(scale):g}), {settings.steps} steps")

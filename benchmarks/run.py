@@ -47,7 +47,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 sys.path.insert(0, str(HERE))
 
-from mpx._src import device_peaks  # noqa: E402  (no JAX backend is initialised by it
+from mpx._src.audit import device_peaks  # noqa: E402  (no JAX backend is initialised by it
 
 #: Saved-residual bytes of the ``mpx_bf16`` step over the float32 step's: at most these.
 RESIDUAL_TARGETS = {"gpt2_linen": 0.55, "gpt2_nnx": 0.55, "resnet50": 0.60}

@@ -19,31 +19,8 @@ import optax
 
 import mpx
 from mpx.demo import _configs, _data, _float16, _plots, _report, _settings, _train
-from mpx.demo._model import ModelConfig
-
-DEFAULT = _settings.Settings(
-  model=ModelConfig(vocab_size=_data.VOCAB_SIZE, max_len=64, num_layers=2, d_model=64, num_heads=4),
-  batch_size=16,
-  steps=300,
-  learning_rate=6e-3,
-  eval_every=20,
-  eval_sequences=64,
-)
-"""The default run: 120,576 parameters, 1,024 tokens per step, 300 steps."""
-
-QUICK = _settings.Settings(
-  model=ModelConfig(vocab_size=_data.VOCAB_SIZE, max_len=32, num_layers=1, d_model=32, num_heads=2),
-  batch_size=8,
-  steps=30,
-  learning_rate=1e-2,
-  eval_every=10,
-  eval_sequences=16,
-  # Four times the default's global batch: smaller per-token gradients, so that
-  # float16 without loss scaling fails within these 30 steps too.
-  global_batch_tokens=2**21,
-  fast_compile=True,
-)
-"""``--quick``: the same table from a tiny model and a few steps (what CI runs)."""
+from mpx.demo._settings import DEFAULT_SETTINGS as DEFAULT
+from mpx.demo._settings import QUICK_SETTINGS as QUICK
 
 
 def _parser() -> argparse.ArgumentParser:

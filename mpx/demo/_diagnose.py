@@ -34,11 +34,8 @@ import optax
 
 from mpx._src import errors
 from mpx._src.adapters import linen
-from mpx._src.diagnostics import bits as float_bits
-from mpx._src.diagnostics import histogram, plots, range_report
-from mpx._src.diagnostics import linen_taps as linen_diagnostics
-from mpx._src.scaling import train_step as scaled_loss
-from mpx._src.scaling import transform as loss_scaling
+from mpx._src.diagnostics import bits, histogram, linen_taps, plots, range_report
+from mpx._src.scaling import train_step, transform
 from mpx.demo import _progress as progress
 
 SCALES = 2.0 ** np.arange(0, 33)
@@ -116,6 +113,70 @@ class Diagnosis:
     return scale if np.isfinite(scale) else 1.0
 
 
+def _float32_gradients(
+  loss_fn: Any, params: Any, x: jax.Array, labels: jax.Array, dtype: str
+) -> tuple[Any, range_report.RangeReport, range_report.ScaleRecommendation]:
+  """Stages 1-2: the histogram, range report and recommended scale of a float32 step's gradients.
+
+  Those are what a loss scale multiplies: the activations' gradients and the
+  parameters' (sums over the batch, so larger).
+  """
+  progress.stage("[1/4] gradients of a float32 step and the recommended scale")
+  stats = linen_taps.collect_activations(loss_fn, params, x, labels, stat=_raw)
+  grads = ([stats.output_grads[k] for k in stats.modules], stats.param_grads)
+  return (
+    histogram.magnitude_histogram(grads),
+    range_report.range_report(grads, dtype),
+    range_report.recommend_scale(grads, dtype),
+  )
+
+
+def _flushed_per_module(
+  loss_fn: Any, params: Any, x: jax.Array, labels: jax.Array, dtype: str
+) -> dict[str, range_report.RangeReport]:
+  """Stage 3: per module, the range report of its activation gradients at every scale."""
+  progress.stage(f"[2/4] flushed fractions per module at {len(SCALES)} scales")
+  stat = functools.partial(range_report.range_report, dtype=dtype, scale=SCALES)
+  ranges = linen_taps.collect_activations(loss_fn, params, x, labels, stat=stat)
+  return {k: ranges.output_grads[k] for k in ranges.modules}
+
+
+def _mixed_float16_run(
+  model: DemoMlp, params: Any, x: jax.Array, labels: jax.Array, *, steps: int, seed: int
+) -> tuple[Any, list[float], list[bool]]:
+  """Stage 4: a mixed-float16 run whose loss scale starts too high.
+
+  Returns:
+    The non-finite locator's report on its first step, and the loss scale
+    before and the skip of each training step.
+  """
+  progress.stage("[3/4] the non-finite locator on a mixed-float16 step")
+  half_loss = _loss_fn(linen.apply_policy(model, "mixed_float16"))
+  tx = transform.dynamic_loss_scale(
+    optax.sgd(0.1, momentum=0.9), initial_scale=INITIAL_SCALE, growth_interval=40
+  )
+  report = linen_taps.locate_nonfinite(half_loss, params, x, labels, loss_scale=INITIAL_SCALE)
+
+  @jax.jit
+  def step(params: Any, opt_state: Any, x: jax.Array, labels: jax.Array) -> Any:
+    loss, g = train_step.value_and_grad(half_loss, opt_state)(params, x, labels)
+    updates, opt_state = tx.update(g, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  progress.stage(f"[4/4] {steps} mixed-float16 training steps")
+  bar = progress.Progress(steps, "mixed float16")
+  opt_state = tx.init(params)
+  scales, skipped = [], []
+  for i in range(steps):
+    scales.append(float(train_step.get_loss_scale(opt_state)))
+    xb, lb = _batch(seed + 1 + i)
+    params, opt_state, loss = step(params, opt_state, xb, lb)
+    skipped.append(bool(train_step.loss_scale_metrics(opt_state)["last_step_skipped"]))
+    bar.update(float(loss), scales[-1])
+  bar.close()
+  return report, scales, skipped
+
+
 def diagnose(
   *, dtype: str = "float16", steps: int = 200, depth: int = 10, seed: int = 0
 ) -> Diagnosis:
@@ -137,56 +198,16 @@ def diagnose(
   model = DemoMlp(depth=depth)
   params = model.init(jax.random.key(seed), x)
   loss_fn = _loss_fn(model)
-
-  # 1-2: the gradients of a float32 step, what a loss scale multiplies: those of the
-  # activations and those of the parameters (sums over the batch, so larger).
-  progress.stage("[1/4] gradients of a float32 step and the recommended scale")
-  stats = linen_diagnostics.collect_activations(loss_fn, params, x, labels, stat=_raw)
-  grads = ([stats.output_grads[k] for k in stats.modules], stats.param_grads)
-  hist = histogram.magnitude_histogram(grads)
-  rec = range_report.recommend_scale(grads, dtype)
-  at_one = range_report.range_report(grads, dtype)
-
-  # 3: flushed fractions per module and scale.
-  progress.stage(f"[2/4] flushed fractions per module at {len(SCALES)} scales")
-  stat = functools.partial(range_report.range_report, dtype=dtype, scale=SCALES)
-  ranges = linen_diagnostics.collect_activations(loss_fn, params, x, labels, stat=stat)
-
-  # 4: a mixed-float16 run whose loss scale starts too high, and the locator on its first step.
-  progress.stage("[3/4] the non-finite locator on a mixed-float16 step")
-  half = linen.apply_policy(model, "mixed_float16")
-  half_loss = _loss_fn(half)
-  tx = loss_scaling.dynamic_loss_scale(
-    optax.sgd(0.1, momentum=0.9), initial_scale=INITIAL_SCALE, growth_interval=40
-  )
-  report = linen_diagnostics.locate_nonfinite(
-    half_loss, params, x, labels, loss_scale=INITIAL_SCALE
-  )
-
-  @jax.jit
-  def step(params: Any, opt_state: Any, x: jax.Array, labels: jax.Array) -> Any:
-    loss, g = scaled_loss.value_and_grad(half_loss, opt_state)(params, x, labels)
-    updates, opt_state = tx.update(g, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, loss
-
-  progress.stage(f"[4/4] {steps} mixed-float16 training steps")
-  bar = progress.Progress(steps, "mixed float16")
-  opt_state = tx.init(params)
-  scales, skipped = [], []
-  for i in range(steps):
-    scales.append(float(scaled_loss.get_loss_scale(opt_state)))
-    xb, lb = _batch(seed + 1 + i)
-    params, opt_state, loss = step(params, opt_state, xb, lb)
-    skipped.append(bool(scaled_loss.loss_scale_metrics(opt_state)["last_step_skipped"]))
-    bar.update(float(loss), scales[-1])
-  bar.close()
+  hist, at_one, rec = _float32_gradients(loss_fn, params, x, labels, dtype)
+  flushed = _flushed_per_module(loss_fn, params, x, labels, dtype)
+  locator, scales, skipped = _mixed_float16_run(model, params, x, labels, steps=steps, seed=seed)
   return Diagnosis(
     dtype=dtype,
     histogram=hist,
     at_scale_one=at_one,
     recommendation=rec,
-    flushed={k: ranges.output_grads[k] for k in ranges.modules},
-    locator=report,
+    flushed=flushed,
+    locator=locator,
     scales=scales,
     skipped=skipped,
   )
@@ -299,7 +320,7 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 def _target_format(text: str) -> str:
   try:
-    float_bits.get_format(text)
+    bits.get_format(text)
   except errors.PolicyError as e:
     raise argparse.ArgumentTypeError(str(e)) from None
   return text

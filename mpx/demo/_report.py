@@ -195,6 +195,136 @@ def _verdict(row: dict[str, Any]) -> str:
   return "matches" if abs(diff) <= MATCH_MARGIN else "close"
 
 
+def _zeros(row: dict[str, Any], reference: dict[str, Any] | None, key: str) -> str:
+  """The share ``row[key]``, beside the float32 run's when there is one."""
+  own = _percent(row[key])
+  return f"{own} (float32 run: {_percent(reference[key])})" if reference else own
+
+
+def _legend(window: int, unigram: float, sample: GradientSample) -> list[str]:
+  """What the columns mean, and the unigram baseline."""
+  return [
+    f"train: mean training loss of the last {window} steps; val: validation loss after the last "
+    "step; val - f32: its difference to the float32 run's; skipped: steps skipped for non-finite "
+    "gradients; ms/step: median wall time of a step after the first (on a shared CPU, noise).",
+    f"flushed: share of the nonzero activation gradients d(loss)/d(block output) of the float32 "
+    f"model at {sample.source}'s final params ({sample.values.size:,} values, one training-size "
+    "validation batch, via zero perturbations) that round to 0 in float16 once multiplied by the "
+    "loss scale, at scale 1 and at each run's final scale (bfloat16 and float32 runs never round "
+    "to float16: for them it is hypothetical).",
+    f"A unigram model (character frequencies, no context) scores {unigram:.3f} on the validation text.",
+  ]
+
+
+def _headline(row: dict[str, Any]) -> str:
+  """``name: VERDICT (val ..., ... vs float32)``."""
+  diff = row["val_loss_minus_float32"]
+  if row["val_loss"] is None:
+    versus = "not finite"
+  elif diff is None:
+    versus = f"val {_number(row['val_loss'])}, no float32 run to compare with"
+  else:
+    versus = f"val {_number(row['val_loss'])}, {_number(diff, signed=True)} vs float32"
+  return f"{row['name']}: {_verdict(row).upper()} ({versus})"
+
+
+def _scaled(row: dict[str, Any], head: str, layout_a: float | None) -> str:
+  """A dynamically scaled run: its skips, and what its final scale flushes."""
+  memory = ""
+  if row["float32_masters"] and layout_a is not None:
+    memory = (
+      f" Its params and optimizer state take {row['bytes_per_param']:.2f} bytes per param "
+      f"({row['param_bytes_per_param']:.2f} of float16 params, the float32 masters and adam's "
+      f"moments in the rest), against {layout_a:.2f} with float32 params: the price of "
+      "float16 params, which the forward and backward passes read at half the bytes."
+    )
+  return (
+    f"{head}, {row['skipped_steps']} skipped steps: at its final scale "
+    f"{_scale(row['final_loss_scale'])}, {_percent(row['flushed_fraction_final_scale'])} of the "
+    f"gradients flush, against {_percent(row['flushed_fraction_scale_1'])} at scale 1.{memory}"
+  )
+
+
+def _bfloat16_params(row: dict[str, Any], head: str) -> str:
+  """A run with bfloat16 params and no float32 masters: how its updates are rounded."""
+  how = {
+    None: "every update is rounded to the nearest bfloat16 weight, so updates below half an "
+    "ulp of a weight are lost",
+    "kahan": "a bfloat16 Kahan buffer carries each step's rounding error into the next",
+    "stochastic": "each weight is rounded up or down at random, unbiased in expectation",
+  }[row["compensation"]]
+  return (
+    f"{head} with bfloat16 params and no float32 masters: {how}; params and optimizer state "
+    f"take {row['bytes_per_param']:.2f} bytes per param."
+  )
+
+
+def _nonfinite(row: dict[str, Any], head: str, reference: dict[str, Any] | None) -> str:
+  """An unscaled float16 run whose loss went non-finite: when, and why."""
+  nonfinite = (
+    f"its loss is not finite from step {row['first_nonfinite_step']}"
+    if row["first_nonfinite_step"]
+    else "its final validation loss is not finite"
+  )
+  if row["stopped_at_step"]:
+    nonfinite += (
+      f"; its params were not finite after step {row['stopped_at_step']}, where it stopped"
+    )
+  why = (
+    f"{_flushed_at_1(row)}, and at step 1 "
+    f"{_zeros(row, reference, 'zero_weight_grad_fraction_first_step')} of its "
+    "weight-gradient values were exactly 0."
+  )
+  half_state = "float16" in row["opt_state_bytes_by_dtype"]
+  if half_state and row["zero_second_moment_fraction_first_step"] is not None:
+    why += (
+      " But the NaN comes from the optimizer: without float32 masters, adamw keeps its "
+      "moments in float16 like the params, and after step 1 "
+      f"{_zeros(row, reference, 'zero_second_moment_fraction_first_step')} of its second-moment "
+      "values (0.001 g^2) were 0, while adam's eps (1e-8) rounds to "
+      f"{float(np.float16(1e-8)):g} in float16: each of those weights got the update "
+      "x/0 = inf or 0/0 = NaN."
+    )
+  return f"{head}: {nonfinite}. {why}"
+
+
+def _unscaled_float16(
+  row: dict[str, Any], head: str, reference: dict[str, Any] | None, *, unigram: float
+) -> str:
+  """An unscaled float16 run with a finite loss: its zero gradients, and whether it failed."""
+  window = row["train_loss_window"]
+  why = (
+    f"{_flushed_at_1(row)}; over the run, "
+    f"{_zeros(row, reference, 'zero_weight_grad_fraction_mean')} of its "
+    "weight-gradient values were exactly 0."
+  )
+  curve = [v for v in row["curves"]["val_loss"] if v is not None]
+  if curve and curve[-1] > min(curve) + MATCH_MARGIN:
+    why += (
+      f" Its validation loss bottomed out at {min(curve):.3f} and rose again to "
+      f"{curve[-1]:.3f} while the share of zero weight-gradient values went from "
+      f"{_percent(row['zero_weight_grad_fraction_first_window'])} (first {window} steps) to "
+      f"{_percent(row['zero_weight_grad_fraction_last_window'])} (last {window})."
+    )
+  verdict = _verdict(row)
+  if verdict == "fails":
+    worse = "worse" if (row["val_loss"] or 0.0) > unigram else "better"
+    return f"{head}, {worse} than the unigram model. {why}"
+  if verdict == "unknown":
+    return f"{head}. {why}"
+  return (
+    f"{head}: float16 without loss scaling did NOT fail on this run (failure margin "
+    f"{FAIL_MARGIN}). {why}"
+  )
+
+
+def _flushed_at_1(row: dict[str, Any]) -> str:
+  return (
+    f"At scale 1, {_percent(row['flushed_fraction_scale_1'])} of the activation gradients flush "
+    "to zero in float16"
+  )
+
+
 def explain(rows: list[dict[str, Any]], *, unigram: float, sample: GradientSample) -> list[str]:
   """Says what the table shows, run by run, with the figures behind each claim.
 
@@ -208,23 +338,8 @@ def explain(rows: list[dict[str, Any]], *, unigram: float, sample: GradientSampl
   """
   reference = next((r for r in rows if r["name"] == "float32"), None)
   layout_a = next((r["bytes_per_param"] for r in rows if r["name"] == "mixed_float16"), None)
-
-  def zeros(row: dict[str, Any], key: str) -> str:
-    own = _percent(row[key])
-    return f"{own} (float32 run: {_percent(reference[key])})" if reference else own
-
   window = rows[0]["train_loss_window"] if rows else 0
-  lines = [
-    f"train: mean training loss of the last {window} steps; val: validation loss after the last "
-    "step; val - f32: its difference to the float32 run's; skipped: steps skipped for non-finite "
-    "gradients; ms/step: median wall time of a step after the first (on a shared CPU, noise).",
-    f"flushed: share of the nonzero activation gradients d(loss)/d(block output) of the float32 "
-    f"model at {sample.source}'s final params ({sample.values.size:,} values, one training-size "
-    "validation batch, via zero perturbations) that round to 0 in float16 once multiplied by the "
-    "loss scale, at scale 1 and at each run's final scale (bfloat16 and float32 runs never round "
-    "to float16: for them it is hypothetical).",
-    f"A unigram model (character frequencies, no context) scores {unigram:.3f} on the validation text.",
-  ]
+  lines = _legend(window, unigram, sample)
   for r in rows:
     if r["warning"]:
       lines.append(
@@ -233,94 +348,17 @@ def explain(rows: list[dict[str, Any]], *, unigram: float, sample: GradientSampl
   for r in rows:
     if r["name"] == "float32":
       continue
-    verdict = _verdict(r)
-    diff = r["val_loss_minus_float32"]
-    if r["val_loss"] is None:
-      versus = "not finite"
-    elif diff is None:
-      versus = f"val {_number(r['val_loss'])}, no float32 run to compare with"
-    else:
-      versus = f"val {_number(r['val_loss'])}, {_number(diff, signed=True)} vs float32"
-    head = f"{r['name']}: {verdict.upper()} ({versus})"
-    flushed_at_1 = (
-      f"At scale 1, {_percent(r['flushed_fraction_scale_1'])} of the activation gradients flush "
-      "to zero in float16"
-    )
+    head = _headline(r)
     if r["loss_scaling"] == "dynamic":
-      memory = ""
-      if r["float32_masters"] and layout_a is not None:
-        memory = (
-          f" Its params and optimizer state take {r['bytes_per_param']:.2f} bytes per param "
-          f"({r['param_bytes_per_param']:.2f} of float16 params, the float32 masters and adam's "
-          f"moments in the rest), against {layout_a:.2f} with float32 params: the price of "
-          "float16 params, which the forward and backward passes read at half the bytes."
-        )
-      lines.append(
-        f"{head}, {r['skipped_steps']} skipped steps: at its final scale "
-        f"{_scale(r['final_loss_scale'])}, {_percent(r['flushed_fraction_final_scale'])} of the "
-        f"gradients flush, against {_percent(r['flushed_fraction_scale_1'])} at scale 1.{memory}"
-      )
+      lines.append(_scaled(r, head, layout_a))
     elif r["compute_dtype"] != "float16" and r["policy"].startswith("params=bfloat16"):
-      how = {
-        None: "every update is rounded to the nearest bfloat16 weight, so updates below half an "
-        "ulp of a weight are lost",
-        "kahan": "a bfloat16 Kahan buffer carries each step's rounding error into the next",
-        "stochastic": "each weight is rounded up or down at random, unbiased in expectation",
-      }[r["compensation"]]
-      lines.append(
-        f"{head} with bfloat16 params and no float32 masters: {how}; params and optimizer state "
-        f"take {r['bytes_per_param']:.2f} bytes per param."
-      )
+      lines.append(_bfloat16_params(r, head))
     elif r["compute_dtype"] != "float16":
       lines.append(f"{head} without loss scaling: bfloat16 has float32's exponent range.")
     elif r["val_loss"] is None:
-      nonfinite = (
-        f"its loss is not finite from step {r['first_nonfinite_step']}"
-        if r["first_nonfinite_step"]
-        else "its final validation loss is not finite"
-      )
-      if r["stopped_at_step"]:
-        nonfinite += (
-          f"; its params were not finite after step {r['stopped_at_step']}, where it stopped"
-        )
-      why = (
-        f"{flushed_at_1}, and at step 1 {zeros(r, 'zero_weight_grad_fraction_first_step')} of its "
-        "weight-gradient values were exactly 0."
-      )
-      half_state = "float16" in r["opt_state_bytes_by_dtype"]
-      if half_state and r["zero_second_moment_fraction_first_step"] is not None:
-        why += (
-          " But the NaN comes from the optimizer: without float32 masters, adamw keeps its "
-          "moments in float16 like the params, and after step 1 "
-          f"{zeros(r, 'zero_second_moment_fraction_first_step')} of its second-moment values "
-          "(0.001 g^2) were 0, while adam's eps (1e-8) rounds to "
-          f"{float(np.float16(1e-8)):g} in float16: each of those weights got the update "
-          "x/0 = inf or 0/0 = NaN."
-        )
-      lines.append(f"{head}: {nonfinite}. {why}")
+      lines.append(_nonfinite(r, head, reference))
     else:
-      why = (
-        f"{flushed_at_1}; over the run, {zeros(r, 'zero_weight_grad_fraction_mean')} of its "
-        "weight-gradient values were exactly 0."
-      )
-      curve = [v for v in r["curves"]["val_loss"] if v is not None]
-      if curve and curve[-1] > min(curve) + MATCH_MARGIN:
-        why += (
-          f" Its validation loss bottomed out at {min(curve):.3f} and rose again to "
-          f"{curve[-1]:.3f} while the share of zero weight-gradient values went from "
-          f"{_percent(r['zero_weight_grad_fraction_first_window'])} (first {window} steps) to "
-          f"{_percent(r['zero_weight_grad_fraction_last_window'])} (last {window})."
-        )
-      if verdict == "fails":
-        worse = "worse" if (r["val_loss"] or 0.0) > unigram else "better"
-        lines.append(f"{head}, {worse} than the unigram model. {why}")
-      elif verdict == "unknown":
-        lines.append(f"{head}. {why}")
-      else:
-        lines.append(
-          f"{head}: float16 without loss scaling did NOT fail on this run (failure margin "
-          f"{FAIL_MARGIN}). {why}"
-        )
+      lines.append(_unscaled_float16(r, head, reference, unigram=unigram))
   return lines
 
 

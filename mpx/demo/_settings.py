@@ -93,6 +93,31 @@ class Settings:
       raise ValueError(f"steps must be at least 1, got {self.steps}.")
 
 
+DEFAULT_SETTINGS = Settings(
+  model=ModelConfig(vocab_size=_data.VOCAB_SIZE, max_len=64, num_layers=2, d_model=64, num_heads=4),
+  batch_size=16,
+  steps=300,
+  learning_rate=6e-3,
+  eval_every=20,
+  eval_sequences=64,
+)
+"""The default run: 120,576 parameters, 1,024 tokens per step, 300 steps."""
+
+QUICK_SETTINGS = Settings(
+  model=ModelConfig(vocab_size=_data.VOCAB_SIZE, max_len=32, num_layers=1, d_model=32, num_heads=2),
+  batch_size=8,
+  steps=30,
+  learning_rate=1e-2,
+  eval_every=10,
+  eval_sequences=16,
+  # Four times the default's global batch: smaller per-token gradients, so that
+  # float16 without loss scaling fails within these 30 steps too.
+  global_batch_tokens=2**21,
+  fast_compile=True,
+)
+"""``--quick``: the same table from a tiny model and a few steps (what CI runs)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Data:
   """The batches every run sees, drawn once.

@@ -23,15 +23,15 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _gpt
 import _gpu
+import _loss_scale_steps as steps
 import _measure
 import _setups
 import loss_scale_overhead as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-CONFIG = dataclasses.replace(_gpt.GPTConfig.tiny(), num_layers=0)  # 5 leaves: compiles fast
+CONFIG = dataclasses.replace(steps.TINY_CONFIG, num_layers=0)  # 5 leaves: compiles fast
 
 ROW_KEYS = {
   "name": str,
@@ -77,7 +77,7 @@ def report() -> dict:
 
 
 def test_report_schema(report):
-  params = _gpt.init_params(CONFIG)
+  params = steps.init_params(CONFIG)
   assert report["benchmark"] == "loss_scale_overhead"
   assert report["param_count"] == sum(x.size for x in jax.tree.leaves(params))
   assert report["leaf_count"] == len(jax.tree.leaves(params)) == 5
@@ -104,9 +104,9 @@ def test_atomic_check_catches_a_partial_skip():
 
   def partial(inner, grads, inner_state, params, scale):
     grads = jax.tree.map(lambda g: g * (1.0 / scale), grads)
-    ok = bench._all_finite_isfinite(grads)
+    ok = steps.all_finite_isfinite(grads)
     updates, new_state = inner.update(grads, inner_state, params)
-    return bench._skip_updates(ok, updates), new_state, ok
+    return steps.skip_updates(ok, updates), new_state, ok
 
   def step(params, state, batch):
     scale = state.scale
@@ -114,11 +114,11 @@ def test_atomic_check_catches_a_partial_skip():
     updates, state = tx.update(grads, state, params)
     return jax.tree.map(jnp.add, params, updates), state, loss
 
-  loss_fn = bench._loss_with_poison(_gpt.make_loss_fn(CONFIG))
-  tx = bench._wrapper(_gpt.make_optimizer(), partial)
-  cand = bench.Candidate("partial", "", tx.init, step, lambda s: s.inner_state)
-  params = _gpt.init_params(CONFIG)
-  batch = dict(_gpt.make_batch(CONFIG), loss_mult=jnp.float32(1.0))
+  loss_fn = steps.loss_with_poison(steps.make_loss_fn(CONFIG))
+  tx = steps.wrapper(steps.make_optimizer(), partial)
+  cand = steps.Candidate("partial", "", tx.init, step, lambda s: s.inner_state)
+  params = steps.init_params(CONFIG)
+  batch = steps.make_batch(CONFIG)
   with jax.numpy_dtype_promotion(STANDARD):
     compiled = jax.jit(step).lower(params, tx.init(params), batch).compile()
     atomic, _, _ = bench.check_atomic(cand, compiled, params, batch)

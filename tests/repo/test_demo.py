@@ -175,6 +175,15 @@ def _numpy_overflowed(values: np.ndarray, scale: float) -> float:
 TINY = np.float32(2.0**-24)  # float16's smallest subnormal
 
 
+def test_the_public_scenario_is_what_the_command_runs():
+  """benchmarks/ reuse the demo's scenario through mpx.demo's public names."""
+  from mpx.demo import _cli
+
+  assert _cli._settings_from(_cli._parser().parse_args([])) == mpx.demo.DEFAULT_SETTINGS
+  assert _cli._settings_from(_cli._parser().parse_args(["--quick"])) == mpx.demo.QUICK_SETTINGS
+  assert all(hasattr(mpx.demo, name) for name in mpx.demo.__all__)
+
+
 @pytest.mark.parametrize(
   ("value", "flushes"),
   [

@@ -633,8 +633,8 @@ def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
 
 @pytest.mark.parametrize("attention", [True, False])
 def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
-  from mpx.demo._cli import DEFAULT
-  from mpx.demo._model import CharTransformer
+  from mpx.demo import DEFAULT_SETTINGS as DEFAULT
+  from mpx.demo import CharTransformer
 
   recipe = mpx.Fp8Recipe("delayed", attention=attention)
   policy = dataclasses.replace(mpx.get_policy("mixed_bfloat16"), fp8=recipe)

@@ -183,10 +183,6 @@ class PolicyModel:
   def apply(self, *args: Any, **kwargs: Any) -> Any:
     """``module.apply`` under the policy.
 
-    Args:
-      *args: as for ``module.apply``.
-      **kwargs: as for ``module.apply``.
-
     Delayed fp8 histories (the ``"fp8_history"`` collection) enter typed by
     :func:`mpx.fp8_max_grad`, so a history read by several calls (a shared
     layer, ``nn.scan`` with the collection in ``variable_broadcast``) gets

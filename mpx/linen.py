@@ -9,10 +9,10 @@ float32 by default. Importing this module imports ``flax.linen``, never
 """
 
 from mpx._src.adapters.linen import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
-from mpx._src.adapters.linen import FP8_COLLECTION as FP8_COLLECTION
-from mpx._src.adapters.linen import Fp8DotGeneral as Fp8DotGeneral
 from mpx._src.adapters.linen import PolicyModel as PolicyModel
 from mpx._src.adapters.linen import apply_policy as apply_policy
+from mpx._src.adapters.linen_fp8 import FP8_COLLECTION as FP8_COLLECTION
+from mpx._src.adapters.linen_fp8 import Fp8DotGeneral as Fp8DotGeneral
 from mpx._src.diagnostics.linen_taps import collect_activations as collect_activations
 from mpx._src.diagnostics.linen_taps import locate_nonfinite as locate_nonfinite
 

@@ -8,10 +8,10 @@ default.
 """
 
 from mpx._src.adapters.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
-from mpx._src.adapters.nnx import Fp8DotGeneral as Fp8DotGeneral
-from mpx._src.adapters.nnx import Fp8Einsum as Fp8Einsum
-from mpx._src.adapters.nnx import Fp8History as Fp8History
 from mpx._src.adapters.nnx import apply_policy as apply_policy
+from mpx._src.adapters.nnx_fp8 import Fp8DotGeneral as Fp8DotGeneral
+from mpx._src.adapters.nnx_fp8 import Fp8Einsum as Fp8Einsum
+from mpx._src.adapters.nnx_fp8 import Fp8History as Fp8History
 from mpx._src.diagnostics.nnx_taps import collect_activations as collect_activations
 from mpx._src.diagnostics.nnx_taps import locate_nonfinite as locate_nonfinite
 

@@ -83,20 +83,11 @@ def call(
   if parsed is None or getattr(layer, "axis_name", None) is not None:
     return None
   x, use_running_average = parsed
-  ndim = x.ndim
   if kind == "batch":
-    feature_axes = normalization.canonical_axes(ndim, layer.axis)
-    reduction_axes = tuple(a for a in range(ndim) if a not in feature_axes)
-    attribute = layer.use_running_average
-    if use_running_average is None:
-      use_running_average = attribute
-    elif attribute is not None and not call_overrides_attribute:
-      return None
+    use_running_average = _running_average(layer, use_running_average, call_overrides_attribute)
     if use_running_average is None:
       return None
-  else:
-    feature_axes = normalization.canonical_axes(ndim, layer.feature_axes)
-    reduction_axes = normalization.canonical_axes(ndim, layer.reduction_axes)
+  feature_axes, reduction_axes = _axes(kind, layer, x.ndim)
   shape = tuple(x.shape[a] for a in feature_axes)
   scale = param("scale", shape) if layer.use_scale else None
   bias = param("bias", shape) if kind != "rms" and layer.use_bias else None
@@ -125,12 +116,43 @@ def call(
     dtype=dtype,
   )
   if kind == "batch":
-    old_mean, old_var = stats(shape)
-    momentum = layer.momentum
-    # The update is not part of the loss: no gradient flows into it.
-    mean, var = jax.lax.stop_gradient((mean, var))
-    set_stats(
-      momentum * old_mean + (1 - momentum) * mean.astype(old_mean.dtype),
-      momentum * old_var + (1 - momentum) * var.astype(old_var.dtype),
-    )
+    _update_statistics(layer.momentum, stats(shape), set_stats, mean, var)
   return y
+
+
+def _running_average(layer: Any, argument: Any, call_overrides_attribute: bool) -> Any:
+  """Whether a BatchNorm call normalises with its running statistics (``None``: not covered)."""
+  attribute = layer.use_running_average
+  if argument is None:
+    return attribute
+  if attribute is not None and not call_overrides_attribute:
+    return None  # Both set: Flax's code raises its own error.
+  return argument
+
+
+def _axes(kind: str, layer: Any, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+  """``(feature_axes, reduction_axes)`` of a layer's call on an ``ndim``-dimensional input."""
+  if kind == "batch":
+    feature_axes = normalization.canonical_axes(ndim, layer.axis)
+    return feature_axes, tuple(a for a in range(ndim) if a not in feature_axes)
+  return (
+    normalization.canonical_axes(ndim, layer.feature_axes),
+    normalization.canonical_axes(ndim, layer.reduction_axes),
+  )
+
+
+def _update_statistics(
+  momentum: float,
+  old: tuple[jax.Array, jax.Array],
+  set_stats: SetStats,
+  mean: jax.Array,
+  var: jax.Array,
+) -> None:
+  """Moves a BatchNorm's running statistics toward this batch's."""
+  old_mean, old_var = old
+  # The update is not part of the loss: no gradient flows into it.
+  mean, var = jax.lax.stop_gradient((mean, var))
+  set_stats(
+    momentum * old_mean + (1 - momentum) * mean.astype(old_mean.dtype),
+    momentum * old_var + (1 - momentum) * var.astype(old_var.dtype),
+  )

@@ -10,10 +10,11 @@ and writes it into the copy's fields, which the body then reads; the user's
 module objects are never touched. The copies Flax's lifted transforms build
 have a ``Scope`` for parent: their enclosing layer is the one seen at the
 longest shorter path, so only the model itself is the root. A float32
-``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision parent is computed by ``mpx._src.adapters.lean_norms`` on the copy's own
-params and statistics instead of its body (after ``init``, which runs Flax's
-code to create them). The user-facing account is :func:`apply_policy`'s
-docstring.
+``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision parent is
+computed by ``mpx._src.adapters.lean_norms`` on the copy's own params and
+statistics instead of its body (after ``init``, which runs Flax's code to
+create them); float8 contractions come from ``mpx._src.adapters.linen_fp8``.
+The user-facing account is :func:`apply_policy`'s docstring.
 """
 
 from __future__ import annotations
@@ -30,12 +31,9 @@ import numpy as np
 from mpx._src import casting, errors
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import policy as policy_lib
-from mpx._src import recipe as recipe_lib
 from mpx._src.adapters import keep as keep_lib
-from mpx._src.adapters import layer_policy
-from mpx._src.adapters import lean_norms as norm_layers
-from mpx._src.ops import amax_grad, kernels
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.adapters import layer_policy, lean_norms, linen_fp8
+from mpx._src.ops import amax_grad
 
 DEFAULT_KEEP_CLASSES: tuple[type, ...] = (nn.BatchNorm, nn.LayerNorm, nn.RMSNorm, nn.GroupNorm)
 _LEAN_NORM_KINDS: dict[type, str] = {
@@ -43,120 +41,6 @@ _LEAN_NORM_KINDS: dict[type, str] = {
   nn.RMSNorm: "rms",
   nn.BatchNorm: "batch",
 }
-
-
-FP8_COLLECTION = "fp8_history"
-"""The linen collection that holds the amax histories of delayed fp8 scaling."""
-
-
-class Fp8DotGeneral(nn.Module):
-  """A ``dot_general`` with float8 operands whose delayed-scaling state is linen variables.
-
-  :func:`apply_policy` installs it as the ``dot_general_cls`` of ``Dense`` and
-  ``DenseGeneral`` layers under a policy with a delayed :class:`mpx.Fp8Recipe`.
-  It keeps three ``float32[history_length + 1]`` amax histories, ``lhs``,
-  ``rhs`` and ``grad``, in the ``"fp8_history"`` collection (see
-  :func:`mpx.update_fp8_state`).
-
-  Attributes:
-    recipe: the delayed-scaling recipe.
-  """
-
-  recipe: recipe_lib.Fp8Recipe
-
-  @nn.compact
-  def __call__(
-    self,
-    lhs: jax.Array,
-    rhs: jax.Array,
-    dimension_numbers: Any,
-    precision: Any = None,
-    preferred_element_type: Any = None,
-    **unused: Any,
-  ) -> jax.Array:
-    """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
-
-    Args:
-      lhs: the left operand.
-      rhs: the right operand.
-      dimension_numbers: as for ``jax.lax.dot_general``.
-      precision: as for ``jax.lax.dot_general``.
-      preferred_element_type: the output dtype (``None``: ``lhs.dtype``).
-      **unused: ignored (``out_sharding``).
-
-    Returns:
-      The product.
-    """
-    state = tuple(
-      self.variable(FP8_COLLECTION, name, fp8_lib.init_history, self.recipe).value
-      for name in ("lhs", "rhs", "grad")
-    )
-    return fp8_lib.fp8_dot_general(
-      lhs,
-      rhs,
-      dimension_numbers,
-      precision,
-      preferred_element_type,
-      recipe=self.recipe,
-      state=state,  # pyright: ignore[reportArgumentType]
-    )
-
-
-_REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
-
-
-def _configure_fp8(module: nn.Module, recipe: recipe_lib.Fp8Recipe, fields: set[str]) -> None:
-  """Gives a ``Dense`` / ``DenseGeneral`` copy a float8 ``dot_general`` (left alone if customised)."""
-  if recipe.attention and getattr(module, "attention_fn", None) is kernels.dot_product_attention:
-    dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe.for_attention())
-    fn = functools.partial(kernels.dot_product_attention, dot_general=dot)
-    _set_field(module, "attention_fn", fn)
-  if not {"dot_general", "dot_general_cls"} <= fields or module.dot_general_cls is not None:  # pyright: ignore[reportAttributeAccessIssue]
-    return
-  if module.dot_general not in _REPLACEABLE_DOTS:  # pyright: ignore[reportAttributeAccessIssue]
-    return
-  if recipe.delayed:
-    _set_field(module, "dot_general", None)
-    _set_field(module, "dot_general_cls", functools.partial(Fp8DotGeneral, recipe=recipe))
-  else:
-    _set_field(module, "dot_general", functools.partial(fp8_lib.fp8_dot_general, recipe=recipe))
-
-
-def _fp8_einsum_call(
-  module: Any, recipe: recipe_lib.Fp8Recipe, inputs: jax.Array, einsum_str: str | None = None
-) -> jax.Array:
-  """The body of ``nn.Einsum.__call__`` with its contraction through :func:`mpx.fp8_dot_general`."""
-  einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str)
-  einsum_str = einsum_str.replace(" ", "")
-  if "->" not in einsum_str or einsum_str.count(",") != 1:
-    raise errors.ConfigError(
-      f"nn.Einsum needs an explicit two-operand equation such as 'bd,dk->bk', got {einsum_str!r}."
-    )
-  kernel = module.param("kernel", module.kernel_init, module.shape, module.param_dtype)
-  bias, broadcast_shape = None, None
-  if module.use_bias:
-    bias_shape, broadcast_shape = module._get_bias_shape(einsum_str, inputs, kernel)
-    bias = module.param("bias", module.bias_init, bias_shape, module.param_dtype)
-  inputs, kernel, bias = module.promote_dtype(inputs, kernel, bias, dtype=module.dtype)
-  if recipe.delayed:
-    state = tuple(
-      module.variable(FP8_COLLECTION, name, fp8_lib.init_history, recipe).value
-      for name in ("lhs", "rhs", "grad")
-    )
-  else:
-    state = None
-  dot = functools.partial(fp8_lib.fp8_dot_general, recipe=recipe, state=state)
-  y = jnp.einsum(
-    einsum_str,
-    inputs,
-    kernel,
-    precision=module.precision,
-    preferred_element_type=module.preferred_element_type,
-    _dot_general=dot,
-  )
-  if bias is not None:
-    y += jnp.reshape(bias, broadcast_shape)  # pyright: ignore[reportArgumentType]
-  return y
 
 
 def _sampling_policy(policy: policy_lib.Policy) -> policy_lib.Policy:
@@ -213,7 +97,7 @@ def _lean_norm_call(module: nn.Module, kind: str, args: Any, kwargs: Any, dtype:
   def set_stats(mean: jax.Array, var: jax.Array) -> None:
     running[0].value, running[1].value = mean, var
 
-  return norm_layers.call(
+  return lean_norms.call(
     module,
     kind,
     args,
@@ -257,83 +141,14 @@ class PolicyModel:
     return getattr(self.module, name)
 
   def _run(self, fn: Any, args: Any, kwargs: Any, *, initializing: bool = False) -> Any:
-    # The first layer seen at each path in this call. The layers Flax builds inside a
-    # lifted transform (nn.scan, nn.remat, nn.jit, nn.vmap) have a Scope for parent;
-    # the layer that encloses them is the one at the longest shorter path, which is
-    # running the transform and so was seen first.
-    at_path: dict[tuple[str, ...], nn.Module] = {}
-
-    def parent_of(module: nn.Module) -> nn.Module | None:
-      if isinstance(module.parent, nn.Module):
-        return module.parent
-      path = tuple(module.path)
-      prefixes = (path[:n] for n in range(len(path) - 1, -1, -1))
-      return next((at_path[p] for p in prefixes if p in at_path), None)
-
-    layers = layer_policy.LayerPolicies(
-      self.policy,
-      self.rules,
-      norm_classes=DEFAULT_KEEP_CLASSES,
-      parent_of=parent_of,
-      path_of=_path,
-      lean_norm_kinds=_LEAN_NORM_KINDS,
-    )
-    param_dtypes: dict[tuple[str, ...], np.dtype] = {}
-    # The copies configured in this call, by id: holding them until the call ends
-    # keeps a later copy from reusing the id of one Flax has freed (nn.jit, nn.remat).
-    configured: dict[int, nn.Module] = {}
-    in_cast: set[int] = set()  # the copies whose casting call is in progress
-
-    def interceptor(next_fun: Any, f_args: Any, f_kwargs: Any, context: Any) -> Any:
-      module = context.module
-      key = id(module)
-      if key not in configured:
-        at_path.setdefault(tuple(module.path), module)
-        policy = layers.policy_at(module)
-        param_dtypes[tuple(module.path)] = policy.param_dtype
-        fields = {f.name for f in dataclasses.fields(module)}
-        layer_policy.configure_layer(
-          module,
-          _sampling_policy(policy) if initializing else policy,
-          self.rules,
-          accumulate_in_float32=self.accumulate_in_float32,
-          fields=fields,
-          default_attention=nn.dot_product_attention,
-          set_field=_set_field,
-        )
-        if policy.fp8 is not None:
-          _configure_fp8(module, policy.fp8, fields)
-        configured[key] = module
-      # Only the outermost method call of a layer casts (a method calling
-      # another of the same layer stays inside it), and setup never does.
-      recipe = layers.policy_at(module).fp8
-      if recipe is not None and type(module) is nn.Einsum and context.method_name == "__call__":
-        # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
-        next_fun = functools.partial(_fp8_einsum_call, module, recipe)
-      boundary = layers.boundary(module)
-      if boundary is None or context.method_name == "setup" or key in in_cast:
-        return next_fun(*f_args, **f_kwargs)
-      inner, outer = boundary
-      kind = layers.lean_norm(module)
-      if kind is not None and not initializing and context.method_name == "__call__":
-        out = _lean_norm_call(module, kind, f_args, f_kwargs, outer)
-        if out is not None:
-          return out
-      f_args, f_kwargs = casting.cast_tree((f_args, f_kwargs), inner)
-      in_cast.add(key)
-      try:
-        out = next_fun(*f_args, **f_kwargs)
-      finally:
-        in_cast.discard(key)
-      return casting.cast_tree(out, outer)
-
-    with nn.intercept_methods(interceptor):
+    call = _PolicyCall(self, initializing=initializing)
+    with nn.intercept_methods(call.intercept):
       result = fn(*args, **kwargs)
     if initializing:
-      result = _round_params(result, param_dtypes)
+      result = _round_params(result, call.param_dtypes)
     if not self._checked_paths:
       self._checked_paths = True
-      layers.warn_unmatched_paths(stacklevel=3)
+      call.layers.warn_unmatched_paths(stacklevel=3)
     return result
 
   def init(self, *args: Any, **kwargs: Any) -> Any:
@@ -368,10 +183,6 @@ class PolicyModel:
   def apply(self, *args: Any, **kwargs: Any) -> Any:
     """``module.apply`` under the policy.
 
-    Args:
-      *args: as for ``module.apply``.
-      **kwargs: as for ``module.apply``.
-
     Delayed fp8 histories (the ``"fp8_history"`` collection) enter typed by
     :func:`mpx.fp8_max_grad`, so a history read by several calls (a shared
     layer, ``nn.scan`` with the collection in ``variable_broadcast``) gets
@@ -386,11 +197,12 @@ class PolicyModel:
       dtype.
     """
     variables = args[0] if args else None
-    if hasattr(variables, "keys") and FP8_COLLECTION in variables:  # pyright: ignore[reportOperatorIssue]
+    collection = linen_fp8.FP8_COLLECTION
+    if hasattr(variables, "keys") and collection in variables:  # pyright: ignore[reportOperatorIssue]
       # Typed where they enter, before any layer reads them: autodiff combines the
       # reads of a shared history at that point (see fp8_max_grad).
-      histories = amax_grad.fp8_max_grad(variables[FP8_COLLECTION])  # pyright: ignore[reportOptionalSubscript]
-      args = ({**variables, FP8_COLLECTION: histories}, *args[1:])  # pyright: ignore[reportGeneralTypeIssues]
+      histories = amax_grad.fp8_max_grad(variables[collection])  # pyright: ignore[reportOptionalSubscript]
+      args = ({**variables, collection: histories}, *args[1:])  # pyright: ignore[reportGeneralTypeIssues]
     return self._run(self.module.apply, args, kwargs)
 
   def tabulate(self, *args: Any, **kwargs: Any) -> str:
@@ -404,6 +216,92 @@ class PolicyModel:
       The table.
     """
     return self._run(self.module.tabulate, args, kwargs)
+
+
+class _PolicyCall:
+  """One ``init`` / ``apply`` / ``tabulate`` of a :class:`PolicyModel`: its method interceptor.
+
+  Args:
+    model: the policy model being run.
+    initializing: whether the call creates the variables (``init``).
+  """
+
+  def __init__(self, model: PolicyModel, *, initializing: bool) -> None:
+    self._model = model
+    self._initializing = initializing
+    # The first layer seen at each path in this call (see `_parent_of`).
+    self._at_path: dict[tuple[str, ...], nn.Module] = {}
+    # The copies configured in this call, by id: holding them until the call ends
+    # keeps a later copy from reusing the id of one Flax has freed (nn.jit, nn.remat).
+    self._configured: dict[int, nn.Module] = {}
+    self._in_cast: set[int] = set()  # the copies whose casting call is in progress
+    self.param_dtypes: dict[tuple[str, ...], np.dtype] = {}
+    self.layers = layer_policy.LayerPolicies(
+      model.policy,
+      model.rules,
+      norm_classes=DEFAULT_KEEP_CLASSES,
+      parent_of=self._parent_of,
+      path_of=_path,
+      lean_norm_kinds=_LEAN_NORM_KINDS,
+    )
+
+  def _parent_of(self, module: nn.Module) -> nn.Module | None:
+    # The layers Flax builds inside a lifted transform (nn.scan, nn.remat, nn.jit, nn.vmap)
+    # have a Scope for parent; the layer that encloses them is the one at the longest
+    # shorter path, which is running the transform and so was seen first.
+    if isinstance(module.parent, nn.Module):
+      return module.parent
+    path = tuple(module.path)
+    prefixes = (path[:n] for n in range(len(path) - 1, -1, -1))
+    return next((self._at_path[p] for p in prefixes if p in self._at_path), None)
+
+  def _configure(self, module: nn.Module) -> None:
+    """Writes the policy into a copy's fields, on its first method call."""
+    self._at_path.setdefault(tuple(module.path), module)
+    policy = self.layers.policy_at(module)
+    self.param_dtypes[tuple(module.path)] = policy.param_dtype
+    fields = {f.name for f in dataclasses.fields(module)}
+    layer_policy.configure_layer(
+      module,
+      _sampling_policy(policy) if self._initializing else policy,
+      self._model.rules,
+      accumulate_in_float32=self._model.accumulate_in_float32,
+      fields=fields,
+      default_attention=nn.dot_product_attention,
+      set_field=_set_field,
+    )
+    if policy.fp8 is not None:
+      linen_fp8.configure(module, policy.fp8, fields, set_field=_set_field)
+    self._configured[id(module)] = module
+
+  def intercept(self, next_fun: Any, args: Any, kwargs: Any, context: Any) -> Any:
+    """Runs one method call of a layer under its policy (a ``nn.intercept_methods`` interceptor)."""
+    module = context.module
+    key = id(module)
+    if key not in self._configured:
+      self._configure(module)
+    recipe = self.layers.policy_at(module).fp8
+    if recipe is not None and type(module) is nn.Einsum and context.method_name == "__call__":
+      # Linen's Einsum has no dot_general knob: its body runs here, contracting in float8.
+      next_fun = functools.partial(linen_fp8.einsum_call, module, recipe)
+    # Only the outermost method call of a layer casts (a method calling
+    # another of the same layer stays inside it), and setup never does.
+    boundary = self.layers.boundary(module)
+    if boundary is None or context.method_name == "setup" or key in self._in_cast:
+      return next_fun(*args, **kwargs)
+    inner, outer = boundary
+    kind = self.layers.lean_norm(module)
+    if kind is not None and not self._initializing and context.method_name == "__call__":
+      out = _lean_norm_call(module, kind, args, kwargs, outer)
+      if out is not None:
+        return out
+    args, kwargs = casting.cast_tree((args, kwargs), inner)
+    self._in_cast.add(key)
+    try:
+      out = next_fun(*args, **kwargs)
+    finally:
+      self._in_cast.discard(key)
+    return casting.cast_tree(out, outer)
 
 
 def apply_policy(

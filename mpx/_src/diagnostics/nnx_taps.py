@@ -5,8 +5,9 @@ function, so the user's objects are never touched and the state a forward
 pass writes (BatchNorm statistics, RNG counts) is discarded. NNX has no method
 interceptor: every module of the private copy gets its class swapped for a
 cached same-named subclass whose ``__call__`` routes the call through the
-recorder of ``mpx._src.diagnostics.activations`` (the mechanism ``mpx.nnx.apply_policy``
-uses for boundary casts). Module keys are graph paths joined as the policy's
+recorder of ``mpx._src.diagnostics.activations``
+(``mpx._src.adapters.class_swap``, the mechanism ``mpx.nnx.apply_policy`` uses
+for boundary casts). Module keys are graph paths joined as the policy's
 path rules see them (``mpx._src.adapters.layer_policy.join_path``).
 """
 
@@ -19,47 +20,30 @@ from typing import Any
 import jax
 from flax import nnx
 
-from mpx._src.adapters import layer_policy
+from mpx._src.adapters import class_swap, layer_policy
 from mpx._src.diagnostics import activations, histogram, locate
 
 # (recorder, id(module) -> path, modules in a call) of the forward pass being traced.
 _TAPPING: contextvars.ContextVar[tuple[activations.Recorder, dict[int, str], set[int]] | None] = (
   contextvars.ContextVar("mpx_nnx_tapping", default=None)
 )
-_TAPPING_CLASSES: dict[type, type] = {}
 
 
-def _tapping_class(cls: type) -> type:
-  """Returns the cached same-named subclass of ``cls`` whose ``__call__`` is tapped."""
-  if getattr(cls, "_mpx_tapped", False):
-    return cls
-  if cls not in _TAPPING_CLASSES:
+def _call_tapped(module: Any, call: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+  """A module call, routed through the recorder of the forward pass being traced (if any)."""
+  tapping = _TAPPING.get()
+  path = None if tapping is None else tapping[1].get(id(module))
+  if tapping is None or path is None or id(module) in tapping[2]:
+    return call(*args, **kwargs)
+  recorder, _, active = tapping
+  active.add(id(module))
+  try:
+    return recorder.call(activations.module_key(path), call, args, kwargs)
+  finally:
+    active.discard(id(module))
 
-    def call_tapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-      call: Any = super(subclass, self).__call__  # type: ignore[misc]
-      tapping = _TAPPING.get()
-      path = None if tapping is None else tapping[1].get(id(self))
-      if tapping is None or path is None or id(self) in tapping[2]:
-        return call(*args, **kwargs)
-      recorder, _, active = tapping
-      active.add(id(self))
-      try:
-        return recorder.call(activations.module_key(path), call, args, kwargs)
-      finally:
-        active.discard(id(self))
 
-    subclass = type(
-      cls.__name__,
-      (cls,),
-      {
-        "__module__": cls.__module__,
-        "__qualname__": cls.__qualname__,
-        "__call__": call_tapped,
-        "_mpx_tapped": True,
-      },
-    )
-    _TAPPING_CLASSES[cls] = subclass
-  return _TAPPING_CLASSES[cls]
+_TAPPED = class_swap.CallSwap("tapped", _call_tapped)
 
 
 def _prober(
@@ -77,7 +61,7 @@ def _prober(
       paths = {}
       for path, node in nnx.iter_graph(copy):
         if isinstance(node, nnx.Module) and callable(node):
-          object.__setattr__(node, "__class__", _tapping_class(type(node)))
+          _TAPPED.swap(node)
           paths[id(node)] = layer_policy.join_path(path)
       token = _TAPPING.set((recorder, paths, set()))
       try:

@@ -1,0 +1,92 @@
+"""The float8 wiring both Flax adapters share: which contractions a float8 policy replaces, and with what.
+
+Under a policy with a :class:`mpx.Fp8Recipe`, the linen and NNX adapters give
+the layers left at Flax's default contraction :func:`mpx.fp8_dot_general`
+instead; a layer with a contraction of its own (a custom ``dot_general`` or
+``dot_general_cls``) keeps it. Each adapter stores a delayed recipe's amax
+histories its own way (linen variables, NNX ``Variable`` attributes), under
+the names :data:`HISTORY_NAMES`; the rest is here, Flax-free.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpx._src import recipe as recipe_lib
+from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import kernels
+
+HISTORY_NAMES = ("lhs", "rhs", "grad")
+"""The amax histories of one delayed-scaling contraction, in the order of its ``state``."""
+
+# JAX's own contraction and mpx's float32-accumulating one: the defaults a float8 policy replaces.
+_REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
+
+History = tuple[jax.Array, jax.Array, jax.Array]
+
+
+def uses_default_dot(fields: Mapping[str, Any]) -> bool:
+  """Whether a layer's ``dot_general`` is a default that a float8 policy replaces.
+
+  Args:
+    fields: the layer's attributes by name (``vars(layer)``).
+
+  Returns:
+    ``True`` for a layer with a ``dot_general`` left at JAX's (or mpx's
+    float32-accumulating) contraction and no ``dot_general_cls``.
+  """
+  return (
+    "dot_general" in fields
+    and fields["dot_general"] in _REPLACEABLE_DOTS
+    and fields.get("dot_general_cls") is None
+  )
+
+
+def dot_general(recipe: recipe_lib.Fp8Recipe, state: History | None = None) -> Callable[..., Any]:
+  """:func:`mpx.fp8_dot_general` with ``recipe`` (and a delayed recipe's histories) bound.
+
+  Args:
+    recipe: the float8 recipe.
+    state: the ``(lhs, rhs, grad)`` amax histories of a delayed recipe.
+
+  Returns:
+    A ``dot_general``.
+  """
+  return functools.partial(fp8_lib.fp8_dot_general, recipe=recipe, state=state)
+
+
+def einsum(recipe: recipe_lib.Fp8Recipe, state: History | None = None) -> Callable[..., Any]:
+  """``jnp.einsum`` contracting through :func:`dot_general`.
+
+  Args:
+    recipe: the float8 recipe.
+    state: the ``(lhs, rhs, grad)`` amax histories of a delayed recipe.
+
+  Returns:
+    An ``einsum``.
+  """
+  return functools.partial(jnp.einsum, _dot_general=dot_general(recipe, state))
+
+
+def attention_fn(recipe: recipe_lib.Fp8Recipe, current: Any) -> Callable[..., Any] | None:
+  """The float8 ``attention_fn`` for an attention layer, if the recipe covers attention.
+
+  Args:
+    recipe: the layer's float8 recipe.
+    current: the layer's ``attention_fn``.
+
+  Returns:
+    :func:`mpx.dot_product_attention` with float8 matmuls
+    (``recipe.for_attention()``), where ``recipe.attention`` is set and the
+    layer uses mpx's attention; ``None`` to leave the layer alone.
+  """
+  if not recipe.attention or current is not kernels.dot_product_attention:
+    return None
+  return functools.partial(
+    kernels.dot_product_attention, dot_general=dot_general(recipe.for_attention())
+  )

@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from mpx._src import errors
 from mpx._src import tree as tree_lib
 from mpx._src.diagnostics import histogram
-from mpx._src.scaling import train_step as scaled_loss
 
 Stat = Callable[[Any], Any]
 ROOT = "<root>"
@@ -201,13 +200,6 @@ def collect(
     modules=tuple(key for key, kind in events if kind == "output"),
     events=events,
   )
-
-
-def scale_value(loss_scale: Any) -> jax.Array:
-  """Returns the float32 loss scale given as a number, an array, or an optax state."""
-  if tree_lib.is_array(loss_scale) or isinstance(loss_scale, (int, float)):
-    return jnp.asarray(loss_scale, jnp.float32)
-  return scaled_loss.get_loss_scale(loss_scale).astype(jnp.float32)
 
 
 def jit_over_scales(fn: Callable[..., Any], *args: Any) -> Callable[[Any], Any]:

@@ -20,6 +20,7 @@ from flax.core import tracers
 
 from mpx._src.adapters import layer_policy
 from mpx._src.diagnostics import activations, histogram, locate
+from mpx._src.scaling import state as loss_scale_state
 
 
 def _run(loss_fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -118,7 +119,7 @@ def collect_activations(
     >>> int(stats.output_grads["layers_2"].counts.sum())  # 2 x 1 gradients, all 2**10
     2
   """
-  scale = activations.scale_value(loss_scale)
+  scale = loss_scale_state.loss_scale_value(loss_scale)
   return _prober(loss_fn, params, args, stat)(scale)
 
 
@@ -169,6 +170,6 @@ def locate_nonfinite(
     >>> report.forward, report.cause
     (NonfiniteLocation(module='layers_0', value='output'), 'genuine')
   """
-  scale = float(activations.scale_value(loss_scale))
+  scale = float(loss_scale_state.loss_scale_value(loss_scale))
   probe = _prober(loss_fn, params, args, histogram.magnitude_histogram)
   return locate.locate(probe, scale, float(min_scale))

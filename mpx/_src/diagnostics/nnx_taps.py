@@ -22,6 +22,7 @@ from flax import nnx
 
 from mpx._src.adapters import class_swap, layer_policy
 from mpx._src.diagnostics import activations, histogram, locate
+from mpx._src.scaling import state as loss_scale_state
 
 # (recorder, id(module) -> path, modules in a call) of the forward pass being traced.
 _TAPPING: contextvars.ContextVar[tuple[activations.Recorder, dict[int, str], set[int]] | None] = (
@@ -124,7 +125,7 @@ def collect_activations(
     >>> sorted(stats.param_grads["layers"][2])
     ['bias', 'kernel']
   """
-  scale = activations.scale_value(loss_scale)
+  scale = loss_scale_state.loss_scale_value(loss_scale)
   return _prober(loss_fn, model, args, stat)(scale)
 
 
@@ -160,6 +161,6 @@ def locate_nonfinite(
     >>> report.forward, report.cause
     (NonfiniteLocation(module='<root>', value='output'), 'genuine')
   """
-  scale = float(activations.scale_value(loss_scale))
+  scale = float(loss_scale_state.loss_scale_value(loss_scale))
   probe = _prober(loss_fn, model, args, histogram.magnitude_histogram)
   return locate.locate(probe, scale, float(min_scale))

@@ -1,9 +1,9 @@
-"""Does ``mpx.recommend_scale``'s static scale train the demo's scenario in float16 without skips?
+"""Does ``mpx.diagnostics.recommend_scale``'s static scale train the demo's scenario in float16 without skips?
 
 Takes the gradients a float32 step of ``python -m mpx.demo``'s model computes
 at initialisation (scale 1, the demo's data-parallel normalisation): the
 activation gradients flowing into every block's output, and the weight
-gradients. ``mpx.recommend_scale`` turns them into a static power-of-two scale
+gradients. ``mpx.diagnostics.recommend_scale`` turns them into a static power-of-two scale
 for float16 (2x headroom below overflow, at most 0.1% flushed). The demo's
 float16 configurations then train with that scale, static, next to float32,
 on the demo's data, seed and schedule; the table gives their skipped steps and
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     "activation_gradients": jnp.asarray(demo.activation_gradients(settings, params, data.train[0])),
     "weight_gradients": weight_gradients(settings, params, jnp.asarray(data.train[0])),
   }
-  rec = mpx.recommend_scale(tree, jnp.float16)
+  rec = mpx.diagnostics.recommend_scale(tree, jnp.float16)
   scale = float(rec.scale)
   summary = (
     f"recommend_scale(float16, margin 2, at most 0.1% flushed) on the step-0 gradients: "

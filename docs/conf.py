@@ -1,6 +1,6 @@
 """Sphinx configuration: Markdown pages (MyST) and autodoc from the docstrings, built with -W in CI.
 
-The ```python blocks of the Markdown pages are run by ``tests/test_docs.py``.
+The ```python blocks of the Markdown pages are run by ``tests/repo/test_docs.py``.
 """
 
 import mpx

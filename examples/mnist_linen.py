@@ -6,7 +6,7 @@ BatchNorm statistics, as Flax's ImageNet example does), under the policy
 ``--policy`` (default ``mixed_float16``: float32 params, float16 compute,
 float32 logits, dynamic loss scaling). It is ``examples/float32/mnist_linen.py``
 with three lines changed, plus ``import mpx`` and the ``--policy`` flag
-(``tests/test_examples.py`` computes the diff):
+(``tests/repo/test_examples.py`` computes the diff):
 
 1. ``mpx.linen.apply_policy(CNN(), policy)``: every Conv and Dense computes in
    the compute dtype; BatchNorm stays float32, statistics included.

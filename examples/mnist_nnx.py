@@ -5,7 +5,7 @@ scikit-learn's 8x8 digits with ``nnx.Optimizer`` and ``nnx.jit``, under the
 policy ``--policy`` (default ``mixed_float16``: float32 params, float16
 compute, float32 logits, dynamic loss scaling). It is
 ``examples/float32/mnist_nnx.py`` with three lines changed, plus ``import mpx``
-and the ``--policy`` flag (``tests/test_examples.py`` computes the diff):
+and the ``--policy`` flag (``tests/repo/test_examples.py`` computes the diff):
 
 1. ``mpx.nnx.apply_policy(CNN(...), policy)``: every Conv and Linear computes
    in the compute dtype; BatchNorm stays float32, statistics included.

@@ -5,28 +5,20 @@ Training* (ICLR 2018): float32 master weights, loss scaling, and
 half-precision arithmetic accumulated in float32.
 
 The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
-imported on first use: ``import mpx`` does not import Flax.
+imported on first use: ``import mpx`` does not import Flax. The precision
+diagnostics (histograms, range reports, plots) are :mod:`mpx.diagnostics` and
+the float8 building blocks :mod:`mpx.fp8`, also imported on first use.
 """
 
 import importlib as _importlib
 import typing as _typing
+import warnings as _warnings
 
 from mpx._src.adapters.keep import KeepRules as KeepRules
 from mpx._src.audit.ops import MatmulOp as MatmulOp
 from mpx._src.audit.report import AuditReport as AuditReport
 from mpx._src.audit.report import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
-from mpx._src.diagnostics.activations import ActivationStats as ActivationStats
-from mpx._src.diagnostics.histogram import MagnitudeHistogram as MagnitudeHistogram
-from mpx._src.diagnostics.histogram import magnitude_histogram as magnitude_histogram
-from mpx._src.diagnostics.locate import NonfiniteReport as NonfiniteReport
-from mpx._src.diagnostics.plots import plot_flushed_heatmap as plot_flushed_heatmap
-from mpx._src.diagnostics.plots import plot_loss_scale as plot_loss_scale
-from mpx._src.diagnostics.plots import plot_magnitude_histogram as plot_magnitude_histogram
-from mpx._src.diagnostics.range_report import RangeReport as RangeReport
-from mpx._src.diagnostics.range_report import ScaleRecommendation as ScaleRecommendation
-from mpx._src.diagnostics.range_report import range_report as range_report
-from mpx._src.diagnostics.range_report import recommend_scale as recommend_scale
 from mpx._src.errors import ConfigError as ConfigError
 from mpx._src.errors import LeafTypeError as LeafTypeError
 from mpx._src.errors import LossScaleDivergedError as LossScaleDivergedError
@@ -35,9 +27,6 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
-from mpx._src.ops.amax_grad import fp8_max_grad as fp8_max_grad
-from mpx._src.ops.fp8 import fp8_dot_general as fp8_dot_general
-from mpx._src.ops.fp8 import quantize_dequantize as quantize_dequantize
 from mpx._src.ops.kernels import accumulate_in_float32 as accumulate_in_float32
 from mpx._src.ops.kernels import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import softmax as softmax
@@ -57,8 +46,6 @@ from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
 from mpx._src.recipe import Fp8Recipe as Fp8Recipe
 from mpx._src.scaling.finite_check import all_finite as all_finite
-from mpx._src.scaling.fp8_history import accumulation_boundary as accumulation_boundary
-from mpx._src.scaling.fp8_history import update_fp8_state as update_fp8_state
 from mpx._src.scaling.state import LossScaleState as LossScaleState
 from mpx._src.scaling.state import get_loss_scale as get_loss_scale
 from mpx._src.scaling.train_step import check_loss_scale as check_loss_scale
@@ -72,15 +59,47 @@ from mpx._src.scaling.transform import no_loss_scale as no_loss_scale
 from mpx._src.scaling.transform import static_loss_scale as static_loss_scale
 
 if _typing.TYPE_CHECKING:
+  from mpx import diagnostics as diagnostics
+  from mpx import fp8 as fp8
   from mpx import linen as linen
   from mpx import nnx as nnx
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("linen", "nnx")
+_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "nnx")
+
+# Names that moved to a namespace after 0.1.0: old top-level name -> namespace. They
+# still resolve, with a DeprecationWarning, for one release.
+_MOVED = {
+  **dict.fromkeys(
+    (
+      "ActivationStats",
+      "MagnitudeHistogram",
+      "NonfiniteReport",
+      "RangeReport",
+      "ScaleRecommendation",
+      "magnitude_histogram",
+      "plot_flushed_heatmap",
+      "plot_loss_scale",
+      "plot_magnitude_histogram",
+      "range_report",
+      "recommend_scale",
+    ),
+    "diagnostics",
+  ),
+  **dict.fromkeys(
+    (
+      "accumulation_boundary",
+      "fp8_dot_general",
+      "fp8_max_grad",
+      "quantize_dequantize",
+      "update_fp8_state",
+    ),
+    "fp8",
+  ),
+}
 
 __all__ = (
-  "ActivationStats",
   "AuditReport",
   "ConfigError",
   "Fp8Recipe",
@@ -89,21 +108,16 @@ __all__ = (
   "LeafTypeError",
   "LossScaleDivergedError",
   "LossScaleState",
-  "MagnitudeHistogram",
   "MasterParamsState",
   "MatmulOp",
   "MpxError",
-  "NonfiniteReport",
   "Policy",
   "PolicyError",
   "PrecisionWarning",
-  "RangeReport",
-  "ScaleRecommendation",
   "StateError",
   "StochasticRoundingState",
   "TreeStructureError",
   "accumulate_in_float32",
-  "accumulation_boundary",
   "all_finite",
   "all_reduce_gradients",
   "apply_updates",
@@ -111,31 +125,23 @@ __all__ = (
   "cast_tree",
   "check_loss_scale",
   "check_state",
+  "diagnostics",
   "dot_product_attention",
   "dynamic_loss_scale",
-  "fp8_dot_general",
-  "fp8_max_grad",
+  "fp8",
   "get_loss_scale",
   "get_master_params",
   "get_policy",
   "linen",
   "loss_scale_metrics",
-  "magnitude_histogram",
   "mixed_precision",
   "nnx",
   "no_loss_scale",
   "nonfinite_gradient_paths",
-  "plot_flushed_heatmap",
-  "plot_loss_scale",
-  "plot_magnitude_histogram",
-  "quantize_dequantize",
-  "range_report",
-  "recommend_scale",
   "scale",
   "softmax",
   "static_loss_scale",
   "unscale",
-  "update_fp8_state",
   "value_and_grad",
   "with_kahan_summation",
   "with_master_params",
@@ -145,10 +151,19 @@ __all__ = (
 
 
 def __getattr__(name: str) -> _typing.Any:
-  # PEP 562: the Flax submodules load on first access, so pure JAX and optax
-  # users of mpx never import Flax.
+  # PEP 562: the submodules load on first access, so pure JAX and optax users
+  # of mpx never import Flax.
   if name in _LAZY_SUBMODULES:
     return _importlib.import_module(f"mpx.{name}")
+  if name in _MOVED:
+    namespace = _MOVED[name]
+    _warnings.warn(
+      f"mpx.{name} moved to mpx.{namespace}.{name}; the top-level name is deprecated "
+      "and will be removed in the next release.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
+    return getattr(_importlib.import_module(f"mpx.{namespace}"), name)
   raise AttributeError(f"module 'mpx' has no attribute {name!r}")
 
 

@@ -3,7 +3,7 @@
 An MNIST-style CNN in Flax NNX (Conv, BatchNorm, Dropout, Linear), trained on
 scikit-learn's 8x8 digits with ``nnx.Optimizer`` and ``nnx.jit``. It is plain
 Flax and optax: no mpx. ``examples/mnist_nnx.py`` is this file with three lines
-changed (plus ``import mpx`` and its ``--policy`` flag); ``tests/test_examples.py``
+changed (plus ``import mpx`` and its ``--policy`` flag); ``tests/repo/test_examples.py``
 computes the diff and runs both.
 
 It exits with status 1 if the loss does not fall, if the test accuracy stays

@@ -7,7 +7,7 @@ on a CPU, what each diagnostic says and draws:
 1. the gradients of a float32 step (loss scale 1), activations and
    parameters, as a log2 magnitude histogram against the target format, at
    scale 1 and at the recommended scale (the paper's Figure 3);
-2. the recommended static scale, with its numbers (:func:`mpx.recommend_scale`);
+2. the recommended static scale, with its numbers (:func:`mpx.diagnostics.recommend_scale`);
 3. per module, the fraction of gradient values flushed to zero at each scale;
 4. the loss scale of a short mixed-float16 training run started too high,
    with its skipped steps, and the non-finite locator on its first step.

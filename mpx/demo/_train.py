@@ -236,7 +236,7 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
       objective, opt_state, argnums=(0, 1), has_aux=True
     )(params, history, windows)
     # The gradient of each amax history is the amax its tensor had in this step.
-    history = mpx.update_fp8_state(history, observed)
+    history = mpx.fp8.update_fp8_state(history, observed)
     leaves = jax.tree.leaves(grads)
     zeros = jnp.sum(jnp.stack([jnp.sum(g == 0, dtype=jnp.int32) for g in leaves]))
     # optax's adam computes python-float ** int32 step counts, which strict promotion rejects.

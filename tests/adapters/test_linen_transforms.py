@@ -303,7 +303,7 @@ def _llama_setup(preset: str, *, scan: bool = True):
     loss, (grads, observed) = grad_fn(params, history, inputs, targets)
     updates, opt_state = tx.update(grads, opt_state, params)
     # The scanned layers' histories are stacked (layers, history + 1), one row per layer.
-    history = mpx.update_fp8_state(history, observed)
+    history = mpx.fp8.update_fp8_state(history, observed)
     return mpx.apply_updates(params, updates, opt_state), history, opt_state, loss
 
   return policy, params, history, tx, train_step, (inputs, targets)

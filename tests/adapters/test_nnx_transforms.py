@@ -42,7 +42,7 @@ def _train_step(policy):
     optimizer.update(model, grads)
     if delayed:
       history = nnx.state(model, mpx.nnx.Fp8History)
-      new_history = mpx.update_fp8_state(history, observed, opt_state=optimizer.opt_state)
+      new_history = mpx.fp8.update_fp8_state(history, observed, opt_state=optimizer.opt_state)
       nnx.update(model, new_history)
     return loss
 
@@ -162,7 +162,7 @@ def test_delayed_fp8_histories_follow_an_nnx_vmap_stack(where):
 
   x = jax.random.normal(jax.random.key(1), (4, 16), jnp.float32)
   observed = nnx.grad(loss, argnums=nnx.DiffState(0, mpx.nnx.Fp8History))(stack, x)
-  nnx.update(stack, mpx.update_fp8_state(histories, observed))
+  nnx.update(stack, mpx.fp8.update_fp8_state(histories, observed))
   # Each layer of the stack records its own input's amax in its own row.
   lhs = np.asarray(stack.linear.dot_general.lhs[...])
   assert lhs[0, 1] == float(jnp.max(jnp.abs(x.astype(jnp.bfloat16))))

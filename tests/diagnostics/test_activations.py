@@ -126,14 +126,14 @@ def test_taps_leave_the_values_bitwise_unchanged():
 def test_histograms_by_default_and_a_range_report_statistic():
   loss_fn, params, _ = linen_setup("mixed_float16")
   stats = mpx.linen.collect_activations(loss_fn, params, X, loss_scale=SCALE)
-  assert isinstance(stats.outputs["a"], mpx.MagnitudeHistogram)
+  assert isinstance(stats.outputs["a"], mpx.diagnostics.MagnitudeHistogram)
   assert int(stats.outputs["a"].size) == 8 and int(stats.output_grads["b"].size) == 4
-  assert isinstance(stats.param_grads["params"]["a"]["kernel"], mpx.MagnitudeHistogram)
+  assert isinstance(stats.param_grads["params"]["a"]["kernel"], mpx.diagnostics.MagnitudeHistogram)
   scales = 2.0 ** np.arange(0, 30, 4)
-  stat = functools.partial(mpx.range_report, dtype=F16, scale=scales)
+  stat = functools.partial(mpx.diagnostics.range_report, dtype=F16, scale=scales)
   ranges = mpx.linen.collect_activations(loss_fn, params, X, loss_scale=SCALE, stat=stat)
   grads = mpx.linen.collect_activations(loss_fn, params, X, loss_scale=SCALE, stat=raw)
-  want = mpx.range_report(grads.output_grads["a"], F16, scale=scales)
+  want = mpx.diagnostics.range_report(grads.output_grads["a"], F16, scale=scales)
   jax.tree.map(np.testing.assert_array_equal, ranges.output_grads["a"], want)
   assert ranges.output_grads["a"].flushed.shape == scales.shape
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import mpx
 
-EXPONENTS = mpx.MagnitudeHistogram.EXPONENTS
+EXPONENTS = mpx.diagnostics.MagnitudeHistogram.EXPONENTS
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 DTYPES = [
   np.float32,
@@ -51,7 +51,7 @@ def check(hist, *arrays):
 @given(seed=st.integers(0, 2**32 - 1), dtype=st.sampled_from(DTYPES))
 def test_matches_numpy_on_random_bit_patterns(seed, dtype):
   x = random_bits(seed, dtype, 257)
-  check(jax.jit(mpx.magnitude_histogram)(jnp.asarray(x)), x)
+  check(jax.jit(mpx.diagnostics.magnitude_histogram)(jnp.asarray(x)), x)
 
 
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
@@ -61,7 +61,9 @@ def test_float32_subnormals_and_edges_land_in_their_buckets(use_jit):
     [2.0**-149, 3 * 2.0**-149, 2.0**-127, 2.0**-126, 1.0, 1.9999999, 2.0, 3.4e38, -0.0, 0.0],
     np.float32,
   )
-  fn = jax.jit(mpx.magnitude_histogram) if use_jit else mpx.magnitude_histogram
+  fn = (
+    jax.jit(mpx.diagnostics.magnitude_histogram) if use_jit else mpx.diagnostics.magnitude_histogram
+  )
   h = fn({"x": jnp.asarray(x)})
   got = {int(e): int(c) for e, c in zip(EXPONENTS, h.counts, strict=True) if c}
   assert got == {-149: 1, -148: 1, -127: 1, -126: 1, 0: 2, 1: 1, 127: 1}
@@ -76,9 +78,9 @@ def test_total_and_per_leaf_agree_and_ignore_integer_leaves():
     "step": np.arange(3, dtype=np.int32),
   }
   tree = jax.tree.map(jnp.asarray, tree)
-  total = mpx.magnitude_histogram(tree)
+  total = mpx.diagnostics.magnitude_histogram(tree)
   check(total, tree["a"], tree["b"], tree["c"][0])
-  per_leaf = jax.tree.map(mpx.magnitude_histogram, tree)
+  per_leaf = jax.tree.map(mpx.diagnostics.magnitude_histogram, tree)
   check(per_leaf["b"], tree["b"])
   floating = [per_leaf["a"], per_leaf["b"], per_leaf["c"][0]]
   summed = jax.tree.map(lambda *h: sum(h), *floating)
@@ -87,8 +89,8 @@ def test_total_and_per_leaf_agree_and_ignore_integer_leaves():
 
 
 def test_fixed_shapes_and_dtypes_for_any_tree():
-  empty = mpx.magnitude_histogram({})
-  full = mpx.magnitude_histogram({"w": jnp.ones((3, 4), jnp.bfloat16)})
+  empty = mpx.diagnostics.magnitude_histogram({})
+  full = mpx.diagnostics.magnitude_histogram({"w": jnp.ones((3, 4), jnp.bfloat16)})
   for h in (empty, full):
     assert h.counts.shape == (len(EXPONENTS),) == (279,)
     assert {x.dtype for x in h} == {np.dtype(np.int32)}
@@ -98,6 +100,6 @@ def test_fixed_shapes_and_dtypes_for_any_tree():
 def test_float64_values_beyond_float32_go_to_the_open_end_buckets():
   with jax.enable_x64(True):
     x = np.array([2.0**-1074, 2.0**-160, 2.0**-149, 2.0**127, 2.0**300, 1.5], np.float64)
-    h = mpx.magnitude_histogram(jnp.asarray(x))
+    h = mpx.diagnostics.magnitude_histogram(jnp.asarray(x))
     check(h, x)
     assert int(h.counts[0]) == 2 and int(h.counts[-1]) == 1

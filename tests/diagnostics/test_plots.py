@@ -29,8 +29,8 @@ def spans(ax):
 )
 def test_histogram_regions_and_bars_sit_where_the_format_puts_them(shift, dtype):
   x = jnp.array([2.0**-20, 2.0**-20, 1.5, 0.0], jnp.float32)
-  hist = mpx.magnitude_histogram(x)
-  report = mpx.range_report(x, dtype, scale=2.0**shift)
+  hist = mpx.diagnostics.magnitude_histogram(x)
+  report = mpx.diagnostics.range_report(x, dtype, scale=2.0**shift)
   ax = plots.plot_magnitude_histogram(hist, dtype, scale=2.0**shift, report=report)
   fmt = plots.float_bits.get_format(dtype)
   borders = [fmt.flush_exponent + 1, fmt.min_exponent, fmt.max_exponent + 1]
@@ -58,7 +58,9 @@ def test_loss_scale_plot_marks_the_skipped_steps():
 def test_heatmap_shows_flushed_fractions_hatches_overflow_and_marks_the_scale():
   scales = 2.0 ** np.arange(0, 20, 4)
   values = {"small": jnp.array([2.0**-30, 2.0**-10]), "big": jnp.array([2.0**-3, 1.0e3])}
-  reports = {k: mpx.range_report(v, jnp.float16, scale=scales) for k, v in values.items()}
+  reports = {
+    k: mpx.diagnostics.range_report(v, jnp.float16, scale=scales) for k, v in values.items()
+  }
   ax = plots.plot_flushed_heatmap(reports, scales, mark_scale=2.0**8)
   np.testing.assert_array_equal(
     ax.images[0].get_array(), [np.asarray(r.flushed) for r in reports.values()]
@@ -72,10 +74,10 @@ def test_heatmap_shows_flushed_fractions_hatches_overflow_and_marks_the_scale():
 
 
 def test_scales_must_be_powers_of_two():
-  hist = mpx.magnitude_histogram(jnp.ones(2))
+  hist = mpx.diagnostics.magnitude_histogram(jnp.ones(2))
   with pytest.raises(mpx.ConfigError, match="power of two"):
     plots.plot_magnitude_histogram(hist, scale=3.0)
-  report = mpx.range_report(jnp.ones(2), jnp.float16, scale=np.array([1.0, 2.0]))
+  report = mpx.diagnostics.range_report(jnp.ones(2), jnp.float16, scale=np.array([1.0, 2.0]))
   with pytest.raises(mpx.ConfigError, match="power of two"):
     plots.plot_flushed_heatmap({"a": report}, [1.0, 3.0])
 

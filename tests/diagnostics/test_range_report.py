@@ -123,7 +123,7 @@ def test_matches_the_ml_dtypes_reference_on_random_trees(seed, target, inputs, k
   tree["edges"] = at_boundaries_after_scaling(target, k)
   tree["specials"] = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 2.0**-149], np.float32)
   arrays = list(tree.values())
-  report = jax.jit(mpx.range_report, static_argnums=1)(
+  report = jax.jit(mpx.diagnostics.range_report, static_argnums=1)(
     jax.tree.map(jnp.asarray, tree), target, scale=jnp.float32(2.0**k)
   )
   assert_matches(report, arrays, target, k)
@@ -134,14 +134,14 @@ def test_matches_the_ml_dtypes_reference_on_random_trees(seed, target, inputs, k
 def test_every_threshold_of_every_format(target, k):
   x = at_boundaries_after_scaling(target, k)
   assert x.size >= 8
-  assert_matches(mpx.range_report(jnp.asarray(x), target, scale=2.0**k), [x], target, k)
+  assert_matches(mpx.diagnostics.range_report(jnp.asarray(x), target, scale=2.0**k), [x], target, k)
 
 
 def classes(values, target, scale=1.0):
   """The class of each value, one report per value."""
   out = []
   for v in values:
-    r = mpx.range_report(jnp.array([v], jnp.float32), target, scale=scale)
+    r = mpx.diagnostics.range_report(jnp.array([v], jnp.float32), target, scale=scale)
     out.append(next(f for f in FIELDS if float(getattr(r, f)) == 1.0))
   return out
 
@@ -210,7 +210,9 @@ def test_float32_subnormal_inputs_are_read_from_their_bits():
   x = jnp.array([2.0**-149, 2.0**-140], jnp.float32)
   assert classes([2.0**-149], jnp.float16, scale=2.0**126) == ["subnormal"]
   assert classes([2.0**-140], ml_dtypes.bfloat16, scale=2.0**10) == ["subnormal"]
-  assert_matches(mpx.range_report(x, jnp.float16, scale=2.0**125), [np.asarray(x)], np.float16, 125)
+  assert_matches(
+    mpx.diagnostics.range_report(x, jnp.float16, scale=2.0**125), [np.asarray(x)], np.float16, 125
+  )
 
 
 def test_a_scale_array_gives_one_entry_per_scale():
@@ -218,7 +220,7 @@ def test_a_scale_array_gives_one_entry_per_scale():
   x = random_bits(rng, np.float32, 500) * np.float32(0)  # zeros and NaNs
   x = np.concatenate([x, rng.standard_normal(500).astype(np.float32) * np.float32(1e-6)])
   ks = np.arange(-4, 30, 3)
-  batched = jax.jit(lambda x: mpx.range_report(x, "f16", scale=2.0**ks))(jnp.asarray(x))
+  batched = jax.jit(lambda x: mpx.diagnostics.range_report(x, "f16", scale=2.0**ks))(jnp.asarray(x))
   assert batched.overflow.shape == ks.shape and batched.nonzero.shape == ()
   for i, k in enumerate(ks):
     assert_matches(jax.tree.map(lambda a, i=i: a[i] if a.ndim else a, batched), [x], np.float16, k)
@@ -226,29 +228,33 @@ def test_a_scale_array_gives_one_entry_per_scale():
 
 def test_traced_scale_that_is_not_a_power_of_two_reads_nan():
   x = jnp.ones(3)
-  report = jax.jit(lambda s: mpx.range_report(x, jnp.float16, scale=s))(jnp.float32(3.0))
+  report = jax.jit(lambda s: mpx.diagnostics.range_report(x, jnp.float16, scale=s))(
+    jnp.float32(3.0)
+  )
   assert all(np.isnan(float(getattr(report, f))) for f in FIELDS)
-  good = jax.jit(lambda s: mpx.range_report(x, jnp.float16, scale=s))(jnp.float32(2.0**16))
+  good = jax.jit(lambda s: mpx.diagnostics.range_report(x, jnp.float16, scale=s))(
+    jnp.float32(2.0**16)
+  )
   assert float(good.overflow) == 1.0
 
 
 @pytest.mark.parametrize("scale", [3.0, 2.0**127, 0.0, -2.0, float("nan")])
 def test_concrete_bad_scales_are_rejected(scale):
   with pytest.raises(mpx.ConfigError, match="power of two in"):
-    mpx.range_report(jnp.ones(2), jnp.float16, scale=scale)
+    mpx.diagnostics.range_report(jnp.ones(2), jnp.float16, scale=scale)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.int8, "float128", "e4m3"])
 def test_unsupported_formats_are_rejected(dtype):
   with pytest.raises(mpx.PolicyError, match="float8_e4m3fn"):
-    mpx.range_report(jnp.ones(2), dtype)
+    mpx.diagnostics.range_report(jnp.ones(2), dtype)
 
 
 def test_names_are_accepted():
   x = jnp.array([1e-6, 7e4])
-  a = mpx.range_report(x, "half")
-  b = mpx.range_report(x, np.float16)
-  c = mpx.range_report(x, "float8_e5m2")
+  a = mpx.diagnostics.range_report(x, "half")
+  b = mpx.diagnostics.range_report(x, np.float16)
+  c = mpx.diagnostics.range_report(x, "float8_e5m2")
   assert float(a.overflow) == float(b.overflow) == 0.5 and float(c.overflow) == 0.5
 
 
@@ -263,7 +269,7 @@ def test_recommendation_is_the_brute_force_search(seed, target, margin_bits, max
   rng = np.random.default_rng(seed)
   x = (rng.standard_normal(64) * 2.0 ** rng.integers(-40, 10, 64)).astype(np.float32)
   x[:3] = [0.0, np.nan, 2.0**-149]
-  rec = mpx.recommend_scale(
+  rec = mpx.diagnostics.recommend_scale(
     jnp.asarray(x), target, margin=2.0**margin_bits, max_flushed=max_flushed
   )
   ks = range(-126, 127)
@@ -282,7 +288,7 @@ def test_recommendation_is_the_brute_force_search(seed, target, margin_bits, max
 
 def test_recommendation_when_no_scale_avoids_overflow():
   x = jnp.array([3e38], jnp.float32)  # 3e38 * 2**-126 * 2 is still above e2m1's largest value, 6
-  rec = mpx.recommend_scale(x, ml_dtypes.float4_e2m1fn)
+  rec = mpx.diagnostics.recommend_scale(x, ml_dtypes.float4_e2m1fn)
   assert np.isnan(float(rec.scale)) and np.isnan(float(rec.report.normal))
   assert not bool(rec.feasible)
 
@@ -292,4 +298,4 @@ def test_recommendation_when_no_scale_avoids_overflow():
 )
 def test_recommendation_arguments_are_checked(kw, match):
   with pytest.raises(mpx.ConfigError, match=match):
-    mpx.recommend_scale(jnp.ones(2), jnp.float16, **kw)
+    mpx.diagnostics.recommend_scale(jnp.ones(2), jnp.float16, **kw)

@@ -100,7 +100,7 @@ def test_linen_step_compiles_once(layout, api):
       return _loss(model.apply({"params": p, mpx.linen.FP8_COLLECTION: h}, x))
 
     _, (grads, observed) = mpx.value_and_grad(loss_fn, opt_state, argnums=(0, 1))(params, history)
-    return grads, mpx.update_fp8_state(history, observed)
+    return grads, mpx.fp8.update_fp8_state(history, observed)
 
   if api == "apply":
     carry = (params, history, tx.init(params))
@@ -140,7 +140,7 @@ def test_nnx_step_compiles_once(layout):
     param_grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
     optimizer.update(model, param_grads)
     history = nnx.state(model, mpx.nnx.Fp8History)
-    nnx.update(model, mpx.update_fp8_state(history, observed))
+    nnx.update(model, mpx.fp8.update_fp8_state(history, observed))
 
   for _ in range(3):
     step(model, optimizer)

@@ -89,7 +89,7 @@ def test_scale_is_the_power_of_two_that_fits_the_amax(dtype, ml_dtype, margin):
 @pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
 def test_quantize_dequantize_with_current_scaling_is_exact_rounding(dtype, ml_dtype):
   x = jnp.asarray(np.random.default_rng(1).standard_normal((64,)) * 3e3, jnp.bfloat16)
-  out = mpx.quantize_dequantize(x, dtype)
+  out = mpx.fp8.quantize_dequantize(x, dtype)
   assert out.dtype == jnp.bfloat16
   x32 = np.asarray(x.astype(jnp.float32))
   scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x32).max()), dtype))
@@ -109,7 +109,7 @@ def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dty
   # underflows to zero for these amaxes, and x / 0 is not finite.
   x32 = np.random.default_rng(7).uniform(-1, 1, 64).astype(np.float32) * top
   x = jnp.asarray(x32, jnp.float16)
-  out = mpx.quantize_dequantize(x, dtype)
+  out = mpx.fp8.quantize_dequantize(x, dtype)
   assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
   x16 = np.asarray(x, np.float32)
   scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
@@ -125,7 +125,7 @@ def test_straight_through_gradient_is_the_identity_within_range(source, scale):
   scale = None if scale is None else jnp.float32(scale)
 
   def loss(x, straight_through):
-    out = mpx.quantize_dequantize(
+    out = mpx.fp8.quantize_dequantize(
       x, jnp.float8_e4m3fn, scale=scale, straight_through=straight_through
     )
     return jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32))
@@ -138,8 +138,10 @@ def test_straight_through_gradient_is_the_identity_within_range(source, scale):
   np.testing.assert_array_equal(np.asarray(grad.astype(jnp.float32)), expected)
   # Same forward; the default differentiates through the rounding, cotangent included.
   np.testing.assert_array_equal(
-    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale, straight_through=True)),
-    np.asarray(mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale)),
+    np.asarray(
+      mpx.fp8.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale, straight_through=True)
+    ),
+    np.asarray(mpx.fp8.quantize_dequantize(x, jnp.float8_e4m3fn, scale=scale)),
   )
   rounded = np.asarray(jax.grad(loss)(x, False).astype(jnp.float32))
   assert not np.array_equal(rounded[:4], expected[:4])
@@ -164,7 +166,7 @@ def test_fp8_dot_general_forward_and_backward_use_float8_operands():
 
   @jax.jit
   def forward_and_backward(lhs, rhs, g):
-    out, pullback = jax.vjp(lambda a, b: mpx.fp8_dot_general(a, b, DIMS), lhs, rhs)
+    out, pullback = jax.vjp(lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS), lhs, rhs)
     return out, pullback(g)
 
   out, (ga, gb) = forward_and_backward(lhs, rhs, g)
@@ -186,7 +188,7 @@ def test_delayed_state_gradient_is_the_observed_amax():
   g = jnp.full((8, 16), 3.0, jnp.bfloat16)
 
   def loss(state):
-    out = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
+    out = mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=state)
     return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
 
   observed = jax.jit(jax.grad(loss))(state)
@@ -217,12 +219,12 @@ def test_delayed_scale_ignores_the_current_tensor():
   lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
   rhs = jnp.ones((2, 1), jnp.float32)
   small = (jnp.array([0.0, 240.0, 0.0]), empty, empty)
-  delayed = mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
-  current = mpx.fp8_dot_general(lhs, rhs, DIMS)
+  delayed = mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
+  current = mpx.fp8.fp8_dot_general(lhs, rhs, DIMS)
   assert float(delayed[0, 0]) == 448.0 + 1.0
   assert float(current[0, 0]) == 960.0 + 1.0
   filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
-  assert float(mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
+  assert float(mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
 
 
 @pytest.mark.parametrize("reduction", ["max", "most_recent"])
@@ -237,7 +239,7 @@ def test_the_first_delayed_step_scales_like_current_scaling(reduction):
 
   def run(recipe, state):
     out, pullback = jax.vjp(
-      lambda a, b: mpx.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
+      lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
     )
     return out, *pullback(g)
 
@@ -252,7 +254,7 @@ def test_the_first_delayed_step_scales_like_current_scaling(reduction):
 def test_update_rolls_commits_and_keeps_a_running_max():
   history = jnp.array([0.0, 4.0, 2.0, 1.0])
   seen = lambda v: jnp.array([v, 0.0, 0.0, 0.0])  # noqa: E731
-  step = jax.jit(mpx.update_fp8_state)
+  step = jax.jit(mpx.fp8.update_fp8_state)
   h = step(history, seen(3.0), commit=False)
   h = step(h, seen(7.0), commit=jnp.asarray(False))
   h = step(h, seen(5.0), commit=False)
@@ -262,7 +264,7 @@ def test_update_rolls_commits_and_keeps_a_running_max():
   assert h.dtype == history.dtype and h.shape == history.shape
   # Same dtypes and shapes on both branches of a cond, and through a pytree round trip.
   tree = {"a": {"lhs": history, "grad": history}}
-  out = jax.lax.cond(True, lambda t: mpx.update_fp8_state(t, t), lambda t: t, tree)
+  out = jax.lax.cond(True, lambda t: mpx.fp8.update_fp8_state(t, t), lambda t: t, tree)
   chex.assert_trees_all_equal_shapes_and_dtypes(out, tree)
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
 
@@ -274,11 +276,11 @@ def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   stacked = jnp.asarray(rng.uniform(0, 10, (3, 2, 5)), jnp.float32)
   observed = jnp.zeros_like(stacked).at[..., 0].set(jnp.asarray(rng.uniform(0, 10, (3, 2))))
   per_layer = [
-    mpx.update_fp8_state(stacked[i, j], observed[i, j], commit=commit)
+    mpx.fp8.update_fp8_state(stacked[i, j], observed[i, j], commit=commit)
     for i in range(3)
     for j in range(2)
   ]
-  out = jax.jit(mpx.update_fp8_state)(stacked, observed, commit=commit)
+  out = jax.jit(mpx.fp8.update_fp8_state)(stacked, observed, commit=commit)
   assert out.shape == stacked.shape and out.dtype == stacked.dtype
   np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
@@ -298,10 +300,12 @@ def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
   rhs = jnp.ones((2, 1), jnp.float32)
 
   def loss(state):
-    state = mpx.fp8_max_grad(state)
+    state = mpx.fp8.fp8_max_grad(state)
     total = jnp.float32(0.0)
     for a, b, g in ((2.0, 1.0, 5.0), (4.0, 0.5, 7.0), (3.0, 0.25, 6.0)):
-      out = mpx.fp8_dot_general(jnp.array([[a, 1.0]]), rhs * b, DIMS, recipe=recipe, state=state)
+      out = mpx.fp8.fp8_dot_general(
+        jnp.array([[a, 1.0]]), rhs * b, DIMS, recipe=recipe, state=state
+      )
       total = total + g * jnp.sum(out)
     return total
 
@@ -320,10 +324,10 @@ def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
   w = jnp.full((2, 1), 0.5)
 
   def loss(state, w):
-    state = mpx.fp8_max_grad(state)
+    state = mpx.fp8.fp8_max_grad(state)
 
     def body(total, x):
-      return total + jnp.sum(mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)), None
+      return total + jnp.sum(mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)), None
 
     return jax.lax.scan(body, jnp.float32(0.0), xs)[0]
 
@@ -331,7 +335,7 @@ def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
   np.testing.assert_array_equal(np.asarray(observed[0]), [5.0, 0.0, 0.0])
   np.testing.assert_array_equal(np.asarray(observed[1]), [0.5, 0.0, 0.0])
   np.testing.assert_array_equal(np.asarray(observed[2]), [1.0, 0.0, 0.0])
-  history = mpx.update_fp8_state(state, observed)
+  history = mpx.fp8.update_fp8_state(state, observed)
   assert [float(h[1]) for h in history] == [5.0, 0.5, 1.0]
 
 
@@ -369,7 +373,7 @@ def test_a_shared_flax_layer_records_the_max_amax_with_fp8_max_grad(adapter):
       return nnx.merge(graphdef, params, history, rest)(xs)
 
   def loss(history):
-    return jnp.sum(forward(mpx.fp8_max_grad(history)).astype(jnp.float32))
+    return jnp.sum(forward(mpx.fp8.fp8_max_grad(history)).astype(jnp.float32))
 
   observed = jax.jit(jax.grad(loss))(history)
   # lhs amaxes 2, 4, 3; the kernel's and the gradient's are 1 in each call.
@@ -385,7 +389,7 @@ def test_amax_is_reduced_over_a_named_axis():
 
   def on_device(lhs):
     scale = fp8_lib.scale_for(fp8_lib.amax(lhs, recipe.axis_name), fp8_lib.E4M3)
-    return scale, mpx.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe)
+    return scale, mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe)
 
   scales, out = jax.jit(jax.vmap(on_device, axis_name="devices"))(lhs)
   assert float(scales[0]) == float(scales[1]) == 1.0  # both from 300, not 1
@@ -413,7 +417,7 @@ def test_policy_strings_round_trip_and_errors():
   with pytest.raises(mpx.PolicyError, match="most_recent"):
     mpx.Fp8Recipe("delayed", reduction="mean")
   with pytest.raises(mpx.ConfigError, match="needs amax history state"):
-    mpx.fp8_dot_general(*_operands(), DIMS, recipe=mpx.Fp8Recipe("delayed"))
+    mpx.fp8.fp8_dot_general(*_operands(), DIMS, recipe=mpx.Fp8Recipe("delayed"))
 
 
 class LinenNet(nn.Module):
@@ -491,12 +495,12 @@ def test_linen_and_nnx_fp8_outputs_match_a_manual_float8_layer():
   out = model.apply(params, X)
   assert out.dtype == jnp.float32
   kernel = params["params"]["kernel"].astype(jnp.bfloat16)
-  manual = mpx.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
+  manual = mpx.fp8.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(manual))
   layer = nnx.Linear(16, 16, use_bias=False, rngs=nnx.Rngs(0))
   mpx.nnx.apply_policy(layer, "mixed_float8")
   kernel = layer.kernel[...].astype(jnp.bfloat16)
-  manual = mpx.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
+  manual = mpx.fp8.fp8_dot_general(X.astype(jnp.bfloat16), kernel, DIMS).astype(jnp.float32)
   np.testing.assert_array_equal(np.asarray(layer(X)), np.asarray(manual))
 
 
@@ -510,8 +514,8 @@ def test_multisteps_records_the_max_amax_over_micro_batches():
     grads, observed = jax.grad(loss, argnums=(0, 1))(params, history, x)
     with jax.numpy_dtype_promotion("standard"):
       updates, opt_state = tx.update(grads, opt_state, params)
-    commit = mpx.accumulation_boundary(opt_state)
-    history = mpx.update_fp8_state(history, observed, commit=commit)
+    commit = mpx.fp8.accumulation_boundary(opt_state)
+    history = mpx.fp8.update_fp8_state(history, observed, commit=commit)
     return optax.apply_updates(params, updates), history, opt_state
 
   big = X.at[0, 0].set(1000.0)  # only in the FIRST micro-batch
@@ -531,7 +535,7 @@ def test_multisteps_records_the_max_amax_over_micro_batches():
 
 def test_accumulation_boundary_without_multisteps_is_every_step():
   state = optax.sgd(0.1).init({"w": jnp.ones(2)})
-  assert bool(mpx.accumulation_boundary(state))
+  assert bool(mpx.fp8.accumulation_boundary(state))
 
 
 def _float16_fp8_step(tx, recipe, use_opt_state):
@@ -539,7 +543,7 @@ def _float16_fp8_step(tx, recipe, use_opt_state):
 
   def loss(params, history, x):
     w = params["w"].astype(jnp.float16)
-    out = mpx.fp8_dot_general(x, w, DIMS, recipe=recipe, state=history)
+    out = mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=history)
     return jnp.sum(out.astype(jnp.float32))
 
   @jax.jit
@@ -549,9 +553,11 @@ def _float16_fp8_step(tx, recipe, use_opt_state):
       updates, opt_state = tx.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     if use_opt_state:
-      history = mpx.update_fp8_state(history, observed, opt_state=opt_state)
+      history = mpx.fp8.update_fp8_state(history, observed, opt_state=opt_state)
     else:
-      history = mpx.update_fp8_state(history, observed, commit=mpx.accumulation_boundary(opt_state))
+      history = mpx.fp8.update_fp8_state(
+        history, observed, commit=mpx.fp8.accumulation_boundary(opt_state)
+      )
     return params, history, opt_state
 
   return step
@@ -575,7 +581,7 @@ def test_a_skipped_step_leaves_the_fp8_history_untouched(use_opt_state):
   assert all(h[1] > 0 for h in before)
   params, history, opt_state = step(params, history, opt_state, _INF)
   assert bool(mpx.loss_scale_metrics(opt_state)["last_step_skipped"])
-  assert not bool(mpx.accumulation_boundary(opt_state))
+  assert not bool(mpx.fp8.accumulation_boundary(opt_state))
   after = [np.asarray(h) for h in history]
   for b, a in zip(before, after, strict=True):
     assert np.isfinite(a).all()
@@ -620,7 +626,7 @@ def test_a_skipped_multisteps_boundary_leaves_the_fp8_history_untouched():
 def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
   loss, params, history = _linen_loss("mixed_float8_delayed")
   observed = jax.jit(jax.grad(loss, argnums=1))(params, history, X)
-  history = jax.jit(mpx.update_fp8_state)(history, observed)
+  history = jax.jit(mpx.fp8.update_fp8_state)(history, observed)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(tmp_path / "fp8", history)
     ckpt.wait_until_finished()
@@ -652,7 +658,7 @@ def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
 
     grads, observed = jax.grad(loss, argnums=(0, 1))(params, history)
     updates, opt_state = tx.update(grads, opt_state, params)
-    history = mpx.update_fp8_state(history, observed)
+    history = mpx.fp8.update_fp8_state(history, observed)
     return optax.apply_updates(params, updates), history, opt_state
 
   opt_state = jax.eval_shape(tx.init, params)
@@ -678,7 +684,7 @@ def test_nnx_histories_update_through_nnx_grad_and_nnx_update():
     param_grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
     optimizer.update(model, param_grads)
     history = nnx.state(model, mpx.nnx.Fp8History)
-    nnx.update(model, mpx.update_fp8_state(history, observed))
+    nnx.update(model, mpx.fp8.update_fp8_state(history, observed))
 
   for _ in range(2):
     step(model, optimizer, x)
@@ -702,7 +708,7 @@ rhs = jnp.ones((16, 4), jnp.bfloat16)
 state = tuple(fp8.init_history(recipe) for _ in range(3))
 
 def loss(lhs, state):
-  return jnp.sum(mpx.fp8_dot_general(lhs, rhs, dims, recipe=recipe, state=state)).astype(jnp.float32)
+  return jnp.sum(mpx.fp8.fp8_dot_general(lhs, rhs, dims, recipe=recipe, state=state)).astype(jnp.float32)
 
 step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 sharded = jax.device_put(lhs, NamedSharding(Mesh(jax.devices(), ("data",)), P("data", None)))

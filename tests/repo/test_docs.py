@@ -9,7 +9,7 @@ CPU or needs software mpx does not depend on (torch, Keras) is marked
 ```python notest; it still renders as Python.
 
 The pages run in two subprocesses, so JAX is imported twice, not once per page:
-``python tests/test_docs.py docs/guide/policies.md`` runs one page and prints its result.
+``python tests/repo/test_docs.py docs/guide/policies.md`` runs one page and prints its result.
 """
 
 from __future__ import annotations

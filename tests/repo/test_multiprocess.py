@@ -1,6 +1,6 @@
 """Multi-controller training: 2 JAX processes on localhost, 2 CPU devices each.
 
-``tests/multiprocess_worker.py`` runs in two processes joined by
+``tests/repo/multiprocess_worker.py`` runs in two processes joined by
 ``jax.distributed.initialize`` (gloo collectives), then once alone on 4 devices
 as the reference. The tests pin that
 

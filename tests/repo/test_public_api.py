@@ -14,7 +14,32 @@ import mpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API_RST = ROOT / "docs" / "api.rst"
-NAMESPACES = ["mpx", "mpx.linen", "mpx.nnx"]
+NAMESPACES = ["mpx", "mpx.diagnostics", "mpx.fp8", "mpx.linen", "mpx.nnx"]
+# The names that left the top level for a namespace; they resolve with a DeprecationWarning
+# for one release.
+MOVED = {
+  "mpx.diagnostics": [
+    "ActivationStats",
+    "MagnitudeHistogram",
+    "NonfiniteReport",
+    "RangeReport",
+    "ScaleRecommendation",
+    "magnitude_histogram",
+    "plot_flushed_heatmap",
+    "plot_loss_scale",
+    "plot_magnitude_histogram",
+    "range_report",
+    "recommend_scale",
+  ],
+  "mpx.fp8": [
+    "accumulation_boundary",
+    "fp8_dot_general",
+    "fp8_max_grad",
+    "quantize_dequantize",
+    "update_fp8_state",
+  ],
+}
+MOVED_NAMES = [(ns, name) for ns, names in MOVED.items() for name in names]
 
 
 def _documented() -> set[str]:
@@ -42,6 +67,35 @@ def test_every_namespace_is_documented():
   text = API_RST.read_text(encoding="utf-8")
   for ns in NAMESPACES[1:]:
     assert f".. automodule:: {ns}" in text, f"document {ns} in docs/api.rst"
+
+
+def test_the_top_level_stays_narrow():
+  # The face names the policy, the optimizer wrappers, the train-step API, the kernels, the
+  # audit and the errors; the rest lives in the namespaces.
+  assert len(mpx.__all__) <= 48, len(mpx.__all__)
+  assert {"diagnostics", "fp8", "linen", "nnx"} <= set(mpx.__all__)
+  assert sorted(mpx.__all__) == list(mpx.__all__), "keep mpx.__all__ sorted"
+
+
+@pytest.mark.parametrize(("namespace", "name"), MOVED_NAMES)
+def test_a_moved_name_lives_in_its_namespace_only(namespace, name):
+  assert name in importlib.import_module(namespace).__all__
+  assert name not in mpx.__all__
+  assert name not in dir(mpx)
+
+
+@pytest.mark.parametrize(("namespace", "name"), MOVED_NAMES)
+def test_a_moved_name_still_resolves_at_the_top_level_with_a_deprecation_warning(namespace, name):
+  new = f"{namespace}.{name}"
+  with pytest.warns(DeprecationWarning, match=rf"^mpx\.{name} moved to {re.escape(new)}; "):
+    old = getattr(mpx, name)
+  assert old is getattr(importlib.import_module(namespace), name)
+
+
+def test_a_moved_name_warns_at_the_line_that_uses_it():
+  with pytest.warns(DeprecationWarning) as record:
+    mpx.range_report  # noqa: B018
+  assert [pathlib.Path(w.filename).name for w in record] == [pathlib.Path(__file__).name]
 
 
 def test_version_is_exported():
@@ -74,11 +128,14 @@ def test_each_object_is_exported_once():
   assert [names for names in exported.values() if len(names) > 1] == []
 
 
-def _loaded_after(script: str) -> list[str]:
-  """Runs ``script`` in a fresh interpreter; returns the Flax modules it imported."""
-  script = textwrap.dedent(script) + textwrap.dedent("""
+def _loaded_after(script: str, prefixes: tuple[str, ...] = ("flax",)) -> list[str]:
+  """Runs ``script`` in a fresh interpreter; returns the modules it imported under ``prefixes``."""
+  script = textwrap.dedent(script) + textwrap.dedent(f"""
     import sys
-    print(" ".join(sorted(m for m in sys.modules if m == "flax" or m.startswith("flax."))))
+    prefixes = {prefixes!r}
+    print(" ".join(sorted(
+      m for m in sys.modules if any(m == p or m.startswith(p + ".") for p in prefixes)
+    )))
   """)
   result = subprocess.run(
     [sys.executable, "-W", "error", "-c", script],
@@ -106,6 +163,31 @@ def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax():
   assert loaded == []
 
 
+def test_the_diagnostics_and_fp8_namespaces_import_neither_flax_nor_matplotlib():
+  loaded = _loaded_after(
+    """
+    import jax.numpy as jnp
+    import mpx, mpx.diagnostics, mpx.fp8
+    assert mpx.diagnostics is __import__("sys").modules["mpx.diagnostics"]
+    mpx.diagnostics.range_report({"w": jnp.ones(3)}, jnp.float16)
+    mpx.fp8.quantize_dequantize(jnp.ones(3), jnp.float8_e4m3fn, scale=jnp.float32(1.0))
+    """,
+    prefixes=("flax", "matplotlib"),
+  )
+  assert loaded == []
+
+
+def test_import_mpx_loads_neither_the_diagnostics_nor_the_fp8_kernels():
+  loaded = _loaded_after(
+    """
+    import mpx
+    assert {"diagnostics", "fp8"} <= set(dir(mpx))
+    """,
+    prefixes=("mpx.diagnostics", "mpx.fp8", "mpx._src.diagnostics", "mpx._src.ops.fp8"),
+  )
+  assert loaded == []
+
+
 def test_flax_submodules_load_on_first_use_and_linen_leaves_nnx_out():
   loaded = _loaded_after("""
     import mpx
@@ -124,3 +206,6 @@ def test_flax_submodules_load_on_first_use_and_linen_leaves_nnx_out():
 def test_unknown_attribute_raises_attribute_error():
   with pytest.raises(AttributeError, match="no attribute 'lenin'"):
     mpx.lenin  # noqa: B018
+  with pytest.raises(AttributeError, match="no attribute 'range_reports'"):
+    mpx.range_reports  # noqa: B018
+  assert not hasattr(mpx.diagnostics, "fp8_dot_general")

@@ -1,7 +1,7 @@
 """The float8 wiring both Flax adapters share: which contractions a float8 policy replaces, and with what.
 
 Under a policy with a :class:`mpx.Fp8Recipe`, the linen and NNX adapters give
-the layers left at Flax's default contraction :func:`mpx.fp8_dot_general`
+the layers left at Flax's default contraction :func:`mpx.fp8.fp8_dot_general`
 instead; a layer with a contraction of its own (a custom ``dot_general`` or
 ``dot_general_cls``) keeps it. Each adapter stores a delayed recipe's amax
 histories its own way (linen variables, NNX ``Variable`` attributes), under
@@ -48,7 +48,7 @@ def uses_default_dot(fields: Mapping[str, Any]) -> bool:
 
 
 def dot_general(recipe: recipe_lib.Fp8Recipe, state: History | None = None) -> Callable[..., Any]:
-  """:func:`mpx.fp8_dot_general` with ``recipe`` (and a delayed recipe's histories) bound.
+  """:func:`mpx.fp8.fp8_dot_general` with ``recipe`` (and a delayed recipe's histories) bound.
 
   Args:
     recipe: the float8 recipe.

@@ -184,7 +184,7 @@ class PolicyModel:
     """``module.apply`` under the policy.
 
     Delayed fp8 histories (the ``"fp8_history"`` collection) enter typed by
-    :func:`mpx.fp8_max_grad`, so a history read by several calls (a shared
+    :func:`mpx.fp8.fp8_max_grad`, so a history read by several calls (a shared
     layer, ``nn.scan`` with the collection in ``variable_broadcast``) gets
     the max of their amaxes as its gradient, not their sum.
 
@@ -340,8 +340,8 @@ def apply_policy(
     (``Dense``, ``DenseGeneral``, ``Conv``...) and leave them at JAX's own.
   * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``): ``Dense``,
     ``DenseGeneral`` and ``Einsum`` layers left at Flax's default contraction
-    compute it with float8 operands (:func:`mpx.fp8_dot_general`, see
-    ``docs/fp8.md``); with delayed scaling, ``dot_general_cls`` <-
+    compute it with float8 operands (:func:`mpx.fp8.fp8_dot_general`, see
+    ``docs/guide/fp8.md``); with delayed scaling, ``dot_general_cls`` <-
     :class:`mpx.linen.Fp8DotGeneral`, whose amax histories live in the
     ``"fp8_history"`` collection. ``Einsum``, which has no such knob, runs its
     body in mpx with the same params. Layers a keep rule gives a policy

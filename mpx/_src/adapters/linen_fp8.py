@@ -34,7 +34,7 @@ class Fp8DotGeneral(nn.Module):
   ``DenseGeneral`` layers under a policy with a delayed :class:`mpx.Fp8Recipe`.
   It keeps three ``float32[history_length + 1]`` amax histories, ``lhs``,
   ``rhs`` and ``grad``, in the ``"fp8_history"`` collection (see
-  :func:`mpx.update_fp8_state`).
+  :func:`mpx.fp8.update_fp8_state`).
 
   Attributes:
     recipe: the delayed-scaling recipe.
@@ -52,7 +52,7 @@ class Fp8DotGeneral(nn.Module):
     preferred_element_type: Any = None,
     **unused: Any,
   ) -> jax.Array:
-    """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
+    """Computes :func:`mpx.fp8.fp8_dot_general` with this layer's histories.
 
     Args:
       lhs: the left operand.
@@ -109,7 +109,7 @@ def configure(
 def einsum_call(
   module: Any, recipe: recipe_lib.Fp8Recipe, inputs: jax.Array, einsum_str: str | None = None
 ) -> jax.Array:
-  """The body of ``nn.Einsum.__call__`` with its contraction through :func:`mpx.fp8_dot_general`."""
+  """The body of ``nn.Einsum.__call__`` with its contraction through :func:`mpx.fp8.fp8_dot_general`."""
   einsum_str = nn.module.merge_param("einsum_str", module.einsum_str, einsum_str)
   einsum_str = einsum_str.replace(" ", "")
   if "->" not in einsum_str or einsum_str.count(",") != 1:

@@ -218,8 +218,8 @@ def apply_policy(
     statistics of a norm kept in float32 stay float32.
   * With a float8 policy (``policy.fp8``, e.g. ``"mixed_float8"``):
     ``Linear``, ``LinearGeneral`` and ``Einsum`` layers left at Flax's default
-    contraction compute it with float8 operands (:func:`mpx.fp8_dot_general`,
-    see ``docs/fp8.md``); with delayed scaling, ``dot_general`` /
+    contraction compute it with float8 operands (:func:`mpx.fp8.fp8_dot_general`,
+    see ``docs/guide/fp8.md``); with delayed scaling, ``dot_general`` /
     ``einsum_op`` <- an :class:`mpx.nnx.Fp8DotGeneral` /
     :class:`mpx.nnx.Fp8Einsum` holding :class:`mpx.nnx.Fp8History`
     variables, with the leading axes of the layer's kernel when the layer

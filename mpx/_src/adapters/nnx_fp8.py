@@ -26,7 +26,7 @@ class Fp8History(nnx.Variable):
 
   A layer of an ``nnx.vmap`` stack has one per layer: ``float32[layers, history_length + 1]``.
 
-  ``[pending, most recent, ..., oldest]``; see :func:`mpx.update_fp8_state`.
+  ``[pending, most recent, ..., oldest]``; see :func:`mpx.fp8.update_fp8_state`.
   Select them with ``nnx.split(model, nnx.Param, mpx.nnx.Fp8History, ...)``.
   """
 
@@ -55,7 +55,7 @@ class Fp8DotGeneral(nnx.Module):
     return lhs, rhs, grad
 
   def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
-    """Computes :func:`mpx.fp8_dot_general` with this layer's histories.
+    """Computes :func:`mpx.fp8.fp8_dot_general` with this layer's histories.
 
     Args:
       *args: as for ``jax.lax.dot_general``.

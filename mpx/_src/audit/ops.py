@@ -52,7 +52,7 @@ class MatmulOp:
     misaligned: the ``gemm_dims`` that are not multiples of 8, as ``("N=10",)``.
     fp8: per operand, the float8 format it was dequantised from just before
       the op (``convert`` from float8, times a scale: the form XLA:GPU
-      rewrites into a float8 GEMM, see :func:`mpx.fp8_dot_general`), else
+      rewrites into a float8 GEMM, see :func:`mpx.fp8.fp8_dot_general`), else
       ``None``.
   """
 

@@ -352,7 +352,7 @@ def audit_target(
     warnings.warn(
       f"Compiled for {target_}, products lost the precision the program asked for: "
       + "; ".join(lost)
-      + ". (The float8 quantise-dequantise of Flax's Fp8DotGeneralOp and mpx.fp8_dot_general "
+      + ". (The float8 quantise-dequantise of Flax's Fp8DotGeneralOp and mpx.fp8.fp8_dot_general "
       "compiles to bfloat16 GEMMs there; see docs/guide/gpu_target.md.)",
       errors.PrecisionWarning,
       stacklevel=3,

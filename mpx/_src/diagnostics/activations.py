@@ -49,7 +49,7 @@ class ActivationStats:
   itself); a module called more than once gets ``#1``, ``#2``... for the
   later calls, and a method other than ``__call__`` is written
   ``path.method``. A statistic is whatever ``stat`` returned for the floating
-  leaves of the value (by default a :class:`mpx.MagnitudeHistogram`). It is a
+  leaves of the value (by default a :class:`mpx.diagnostics.MagnitudeHistogram`). It is a
   pytree (its key lists are static), so it can be returned from ``jit``.
 
   Attributes:

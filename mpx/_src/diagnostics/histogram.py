@@ -81,7 +81,7 @@ def magnitude_histogram(tree: Any) -> MagnitudeHistogram:
   train step. Non-floating leaves (integers, PRNG keys) are ignored.
 
   For one histogram per leaf, map it over the tree:
-  ``jax.tree.map(mpx.magnitude_histogram, tree)``.
+  ``jax.tree.map(mpx.diagnostics.magnitude_histogram, tree)``.
 
   Args:
     tree: any pytree, e.g. gradients or activations.
@@ -91,12 +91,12 @@ def magnitude_histogram(tree: Any) -> MagnitudeHistogram:
 
   Example:
     >>> import jax, jax.numpy as jnp, mpx
-    >>> h = mpx.magnitude_histogram({"a": jnp.array([0.75, 3.0, 0.0]), "b": jnp.array([jnp.inf])})
+    >>> h = mpx.diagnostics.magnitude_histogram({"a": jnp.array([0.75, 3.0, 0.0]), "b": jnp.array([jnp.inf])})
     >>> {int(e): int(c) for e, c in zip(h.EXPONENTS, h.counts) if c}
     {-1: 1, 1: 1}
     >>> int(h.zeros), int(h.infs), int(h.nans)
     (1, 1, 0)
-    >>> per_leaf = jax.tree.map(mpx.magnitude_histogram, {"a": jnp.ones(3), "b": jnp.zeros(2)})
+    >>> per_leaf = jax.tree.map(mpx.diagnostics.magnitude_histogram, {"a": jnp.ones(3), "b": jnp.zeros(2)})
     >>> int(per_leaf["a"].counts.sum()), int(per_leaf["b"].zeros)
     (3, 2)
   """

@@ -83,7 +83,7 @@ def collect_activations(
   a ``-0.0`` is added to its floating inputs and outputs (a bitwise no-op),
   and the gradient with respect to it is the gradient flowing into that
   value. The statistic of each value, by default its
-  :class:`mpx.MagnitudeHistogram`, is returned per module path.
+  :class:`mpx.diagnostics.MagnitudeHistogram`, is returned per module path.
 
   Cost: one abstract trace to find the shapes, one compilation, and one
   forward and backward pass that keeps a statistic per module call (a
@@ -102,10 +102,10 @@ def collect_activations(
       :class:`mpx.LossScaleState`.
     stat: ``value -> pytree of arrays``, applied to the list of floating
       leaves of each value and to each parameter gradient, e.g.
-      ``functools.partial(mpx.range_report, dtype=jnp.float16, scale=2.0**jnp.arange(25))``.
+      ``functools.partial(mpx.diagnostics.range_report, dtype=jnp.float16, scale=2.0**jnp.arange(25))``.
 
   Returns:
-    The :class:`mpx.ActivationStats`.
+    The :class:`mpx.diagnostics.ActivationStats`.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, mpx
@@ -157,7 +157,7 @@ def locate_nonfinite(
     min_scale: the smallest scale to try (the loss scaler's floor).
 
   Returns:
-    A :class:`mpx.NonfiniteReport`; ``print`` it for an explanation.
+    A :class:`mpx.diagnostics.NonfiniteReport`; ``print`` it for an explanation.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn, mpx

@@ -26,7 +26,7 @@ class NonfiniteLocation(NamedTuple):
   """Where a non-finite value first appeared.
 
   Attributes:
-    module: the module key (see :class:`mpx.ActivationStats`), or the path of
+    module: the module key (see :class:`mpx.diagnostics.ActivationStats`), or the path of
       a parameter for ``value="param_grad"``.
     value: ``"output"`` (the module computed it from finite inputs),
       ``"input"`` (it arrived at the module: produced by code between modules),
@@ -71,7 +71,7 @@ class NonfiniteReport:
     finite_scale: for ``"overflow"``, the largest scale tried at which the
       step is finite; else ``None``.
     probes: every ``(scale, finite)`` pair tried, in order.
-    stats: the :class:`mpx.ActivationStats` (magnitude histograms) at
+    stats: the :class:`mpx.diagnostics.ActivationStats` (magnitude histograms) at
       ``loss_scale``.
   """
 

@@ -92,7 +92,7 @@ def collect_activations(
   RNG counts) is not updated. Every module's ``__call__`` is tapped: a
   ``-0.0`` is added to its floating inputs and outputs (a bitwise no-op), and
   the gradient with respect to it is the gradient flowing into that value.
-  The statistic of each value, by default its :class:`mpx.MagnitudeHistogram`,
+  The statistic of each value, by default its :class:`mpx.diagnostics.MagnitudeHistogram`,
   is returned per module path (``layers/0``; ``<root>`` for the model);
   parameter gradients are keyed like ``model``'s pure state dict.
 
@@ -112,7 +112,7 @@ def collect_activations(
       leaves of each value and to each parameter gradient.
 
   Returns:
-    The :class:`mpx.ActivationStats`.
+    The :class:`mpx.diagnostics.ActivationStats`.
 
   Example:
     >>> import jax.numpy as jnp, mpx
@@ -151,7 +151,7 @@ def locate_nonfinite(
     min_scale: the smallest scale to try (the loss scaler's floor).
 
   Returns:
-    A :class:`mpx.NonfiniteReport`; ``print`` it for an explanation.
+    A :class:`mpx.diagnostics.NonfiniteReport`; ``print`` it for an explanation.
 
   Example:
     >>> import jax.numpy as jnp, mpx

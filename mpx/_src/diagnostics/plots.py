@@ -53,15 +53,15 @@ def plot_magnitude_histogram(
   Bars give the percentage of the nonzero values in each power-of-two bucket
   of ``|x| * scale``; the shaded bands are where the format flushes to zero,
   is subnormal, normal, and overflows (drawn at bucket edges: within the
-  buckets on a border, :func:`mpx.range_report` has the exact split). With a
+  buckets on a border, :func:`mpx.diagnostics.range_report` has the exact split). With a
   scale other than 1 the unscaled histogram is outlined and an arrow marks
   the shift.
 
   Args:
-    hist: a :class:`mpx.MagnitudeHistogram` of the unscaled values.
-    dtype: the target format, as for :func:`mpx.range_report`.
+    hist: a :class:`mpx.diagnostics.MagnitudeHistogram` of the unscaled values.
+    dtype: the target format, as for :func:`mpx.diagnostics.range_report`.
     scale: the power-of-two scale the values are multiplied by.
-    report: ``mpx.range_report(values, dtype, scale=scale)``, if at hand:
+    report: ``mpx.diagnostics.range_report(values, dtype, scale=scale)``, if at hand:
       the legend then gives each region's exact fraction.
     ax: matplotlib axes to draw into; a new figure if ``None``.
     title: the axes title.
@@ -72,7 +72,7 @@ def plot_magnitude_histogram(
   Example:
     >>> import jax.numpy as jnp, mpx
     >>> grads = jnp.array([2.0**-30, 2.0**-20, 2.0**-12, 2.0**-3])
-    >>> ax = mpx.plot_magnitude_histogram(mpx.magnitude_histogram(grads), "f16", scale=2.0**12)
+    >>> ax = mpx.diagnostics.plot_magnitude_histogram(mpx.diagnostics.magnitude_histogram(grads), "f16", scale=2.0**12)
     >>> [t.get_text() for t in ax.get_legend().get_texts()][:2]
     ['float16 flushed to zero', 'float16 subnormal']
     >>> ax.figure.savefig("/dev/null", format="png")
@@ -151,7 +151,7 @@ def plot_loss_scale(
 
   Example:
     >>> import mpx
-    >>> ax = mpx.plot_loss_scale([2.0**16, 2.0**15, 2.0**15], [True, False, False])
+    >>> ax = mpx.diagnostics.plot_loss_scale([2.0**16, 2.0**15, 2.0**15], [True, False, False])
     >>> ax.get_ylabel(), ax.get_legend().get_texts()[1].get_text()
     ('loss scale', 'skipped step (1 of 3)')
   """
@@ -186,11 +186,11 @@ def plot_flushed_heatmap(
 
   Rows are modules (in the order of ``reports``), columns the scales; cells
   where anything overflows are hatched. Collect the reports with
-  ``stat=functools.partial(mpx.range_report, dtype=..., scale=scales)``
+  ``stat=functools.partial(mpx.diagnostics.range_report, dtype=..., scale=scales)``
   (see :func:`mpx.linen.collect_activations`).
 
   Args:
-    reports: module key -> :class:`mpx.RangeReport` with one entry per scale,
+    reports: module key -> :class:`mpx.diagnostics.RangeReport` with one entry per scale,
       e.g. ``stats.output_grads``.
     scales: the powers of two the reports were computed at.
     mark_scale: a scale to outline (the current loss scale), if any.
@@ -205,8 +205,8 @@ def plot_flushed_heatmap(
     >>> import jax.numpy as jnp, numpy as np, mpx
     >>> scales = 2.0 ** np.arange(0, 20, 4)
     >>> grads = {"dense_0": jnp.array([2.0**-30, 1e-3]), "head": jnp.array([1e-3, 10.0])}
-    >>> reports = {k: mpx.range_report(g, jnp.float16, scale=scales) for k, g in grads.items()}
-    >>> ax = mpx.plot_flushed_heatmap(reports, scales, mark_scale=2.0**8)
+    >>> reports = {k: mpx.diagnostics.range_report(g, jnp.float16, scale=scales) for k, g in grads.items()}
+    >>> ax = mpx.diagnostics.plot_flushed_heatmap(reports, scales, mark_scale=2.0**8)
     >>> ax.images[0].get_array().tolist()[0]  # dense_0: 2**-30 needs a scale of 2**6
     [0.5, 0.5, 0.0, 0.0, 0.0]
   """

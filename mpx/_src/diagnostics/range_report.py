@@ -206,10 +206,10 @@ def range_report(tree: Any, dtype: Any, *, scale: Any = 1.0) -> RangeReport:
   Example:
     >>> import jax.numpy as jnp, mpx
     >>> x = jnp.array([1e-8, 1e-6, 1.0, 6e4, 0.0])
-    >>> r = mpx.range_report(x, jnp.float16)
+    >>> r = mpx.diagnostics.range_report(x, jnp.float16)
     >>> float(r.flushed), float(r.subnormal), float(r.normal), float(r.overflow), int(r.zeros)
     (0.25, 0.25, 0.5, 0.0, 1)
-    >>> r = mpx.range_report(x, jnp.float16, scale=2.0**4)  # 6e4 * 16 overflows
+    >>> r = mpx.diagnostics.range_report(x, jnp.float16, scale=2.0**4)  # 6e4 * 16 overflows
     >>> float(r.flushed), float(r.overflow)
     (0.0, 0.25)
   """
@@ -254,7 +254,7 @@ def recommend_scale(
   Example:
     >>> import jax.numpy as jnp, mpx
     >>> grads = jnp.array([2.0**-30, 2.0**-20, 2.0**-10, 2.0**-4])
-    >>> rec = mpx.recommend_scale(grads, jnp.float16)
+    >>> rec = mpx.diagnostics.recommend_scale(grads, jnp.float16)
     >>> float(rec.max_scale), float(rec.min_scale), bool(rec.feasible)
     (262144.0, 64.0, True)
   """

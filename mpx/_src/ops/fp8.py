@@ -159,7 +159,7 @@ def quantize_dequantize(
   Example:
     >>> import jax.numpy as jnp, mpx
     >>> x = jnp.array([1.0, 0.3, -500.0])
-    >>> mpx.quantize_dequantize(x, jnp.float8_e4m3fn, scale=jnp.float32(1.0))
+    >>> mpx.fp8.quantize_dequantize(x, jnp.float8_e4m3fn, scale=jnp.float32(1.0))
     Array([ 1.000e+00,  3.125e-01, -4.480e+02], dtype=float32)
   """
   if scale is None:

@@ -128,7 +128,7 @@ def dot_product_attention(
     module: ignored.
     is_causal: add a causal mask.
     dot_general: the contraction of both matmuls (``None``:
-      ``jax.lax.dot_general``), e.g. :func:`mpx.fp8_dot_general`.
+      ``jax.lax.dot_general``), e.g. :func:`mpx.fp8.fp8_dot_general`.
     **unused: other arguments Flax may pass.
 
   Returns:

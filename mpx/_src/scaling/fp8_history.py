@@ -69,9 +69,9 @@ def update_fp8_state(
   Example:
     >>> import jax.numpy as jnp, mpx
     >>> history = jnp.array([0.0, 4.0, 2.0])   # pending, most recent, older
-    >>> mpx.update_fp8_state(history, jnp.array([3.0, 0.0, 0.0]), commit=False)
+    >>> mpx.fp8.update_fp8_state(history, jnp.array([3.0, 0.0, 0.0]), commit=False)
     Array([3., 4., 2.], dtype=float32)
-    >>> mpx.update_fp8_state(history, jnp.array([3.0, 0.0, 0.0]))
+    >>> mpx.fp8.update_fp8_state(history, jnp.array([3.0, 0.0, 0.0]))
     Array([0., 3., 4.], dtype=float32)
   """
   if opt_state is None:

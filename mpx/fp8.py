@@ -1,0 +1,26 @@
+"""Float8 matmuls: the quantise-dequantise dot and the delayed-scaling state.
+
+Most users need none of these names: the ``"mixed_float8"`` and
+``"mixed_float8_delayed"`` policies (recipes: :class:`mpx.Fp8Recipe`) make
+``mpx.linen.apply_policy`` and ``mpx.nnx.apply_policy`` route the model's
+dense and einsum contractions through :func:`fp8_dot_general`. A train step
+with delayed scaling calls :func:`update_fp8_state` between steps (with
+:func:`accumulation_boundary` deciding when a history commits) and, where
+one history is read by several calls, types it with :func:`fp8_max_grad`;
+:func:`quantize_dequantize` is the rounding itself. Importing this module
+does not import Flax.
+"""
+
+from mpx._src.ops.amax_grad import fp8_max_grad as fp8_max_grad
+from mpx._src.ops.fp8 import fp8_dot_general as fp8_dot_general
+from mpx._src.ops.fp8 import quantize_dequantize as quantize_dequantize
+from mpx._src.scaling.fp8_history import accumulation_boundary as accumulation_boundary
+from mpx._src.scaling.fp8_history import update_fp8_state as update_fp8_state
+
+__all__ = (
+  "accumulation_boundary",
+  "fp8_dot_general",
+  "fp8_max_grad",
+  "quantize_dequantize",
+  "update_fp8_state",
+)

@@ -214,7 +214,7 @@ def with_stochastic_rounding(
       return base.update_toward(target, p, F32)
 
     param_updates = jax.tree.map(one, state.keys, params, inner_updates, is_leaf=base.is_none)
-    count = optax.safe_increment(state.count)
+    count = jnp.asarray(optax.safe_increment(state.count))
     return param_updates, StochasticRoundingState(state.keys, count, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]

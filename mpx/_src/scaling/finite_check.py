@@ -106,7 +106,10 @@ def finite_after_unscale(
   first = jnp.argmin(flags)  # the first False; 0 when every flag is True
   ok = flags[first]
   # The code of a finite step is len(leaves): one pmin makes both results global.
-  code = jnp.where(ok, len(leaves), jnp.searchsorted(ends, first, side="right")).astype(jnp.int32)
+  # The leaf of the first False flag: how many leaves end at or before it (a vector compare,
+  # where jnp.searchsorted is a while loop of a few kernels per iteration on XLA:GPU).
+  leaf = jnp.sum(jnp.asarray(ends, jnp.int32) <= first.astype(jnp.int32), dtype=jnp.int32)
+  code = jnp.where(ok, len(leaves), leaf).astype(jnp.int32)
   if axis_name is not None:
     code = jax.lax.pmin(code, axis_name)
   ok = code == len(leaves)

@@ -20,6 +20,7 @@ results occupy: an upper bound on its traffic), overlap and the efficiency of re
 
 from __future__ import annotations
 
+import pathlib
 import re
 import time
 from typing import Any
@@ -32,8 +33,7 @@ import mpx
 from mpx._src.audit import device_peaks, targets
 
 NOTE = (
-  "no GPU was used: compiled for the target without autotuning (kernel choices are XLA's "
-  "defaults)"
+  "no GPU was used: compiled for the target without autotuning (kernel choices are XLA's defaults)"
 )
 ROOFLINE_NOTE = (
   "roofline model, not a measurement; no autotuning: sum over kernels of max(FLOPs / dense "
@@ -172,9 +172,7 @@ def row(model: str, config: str, target: str, *, smoke: bool) -> dict[str, Any]:
       batch = _global_batch(batch, n)
       axes = ("hosts", "data") if target_.hosts > 1 else ("data",)
       kwargs = {"in_specs": (None, PartitionSpec(axes)), "mesh_axes": axes}
-    report = mpx.audit(
-      jax.jit(setup.step, donate_argnums=0), carry, batch, target=target, **kwargs
-    )
+    report = mpx.audit(jax.jit(setup.step, donate_argnums=0), carry, batch, target=target, **kwargs)
   params = carry[0]
   m = report.memory
   return {
@@ -274,17 +272,110 @@ def format_table(rows: list[dict[str, Any]]) -> str:
   if ok:
     first = ok[0]
     lines.append("")
-    lines.append(f"Target {first['target']} ({first['device_kind']}): {NOTE}.")
+    lines.append(f"* Target {first['target']} ({first['device_kind']}): {NOTE}.")
     if first["roofline"]:
       p = first["roofline"]["peaks_tflops"]
       lines.append(
-        f"Roofline ms: {ROOFLINE_NOTE}; {p['device']} dense peaks (TFLOP/s): "
+        f"* Roofline ms: {ROOFLINE_NOTE}; {p['device']} dense peaks (TFLOP/s): "
         + ", ".join(f"{k} {v:g}" for k, v in p.items() if k != "device")
-        + f"; memory bandwidth {first['roofline']['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s."
+        + f"; memory bandwidth {first['roofline']['memory_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s. "
+        "float32 operands count at the TF32 peak (JAX's default precision), at the float32 peak "
+        "in f32_highest (operand_precision={highest,highest} in the compiled HLO)."
       )
     if multi:
-      lines.append(f"All-reduce model ms: {COLLECTIVE_NOTE}.")
+      lines.append(f"* All-reduce model ms: {COLLECTIVE_NOTE}.")
     for r in ok:
       for line in r["lost"]:
-        lines.append(f"lost ({r['model']}/{r['config']}): {line}")
+        lines.append(f"* lost ({r['model']}/{r['config']}): {line}")
   return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ the docs
+
+DOCS_BEGIN = "<!-- run.py --write-docs: begin (generated from benchmarks/results/target_*.json) -->"
+DOCS_END = "<!-- run.py --write-docs: end -->"
+PUBLISHED = (
+  "Published measurements: none is quoted. No measured step time of these programs (this GPT-2 "
+  "step at batch 8 x 1024 tokens, this ResNet-50 step at batch 64, adamw, JAX) is published; "
+  "the public H100 figures we know of (llm.c's GPT-2 124M runs, MLPerf's ResNet-50 time to "
+  "train) are other implementations at other batch sizes, and turning them into a step time of "
+  "this program would take assumptions we cannot check without a GPU."
+)
+
+
+def _command(report: dict[str, Any]) -> str:
+  return f"JAX_PLATFORMS=cpu {report['command']}"
+
+
+def _loss_scaling_lines(rows: list[dict[str, Any]]) -> list[str]:
+  by = {(r["model"], r["config"]): r for r in rows if "error" not in r}
+  lines = []
+  for model in dict.fromkeys(r["model"] for r in rows):
+    f16, bf16 = by.get((model, "mpx_f16")), by.get((model, "mpx_bf16"))
+    if f16 is None or bf16 is None:
+      continue
+    extra = f16["kernel_count"] - bf16["kernel_count"]
+    moved = 100 * (f16["bytes_moved"] / bf16["bytes_moved"] - 1)
+    lines.append(
+      f"* {model}: `mpx_f16` (dynamic loss scaling) launches {extra:+,} kernels over `mpx_bf16` "
+      f"({extra / f16['param_leaves']:+.2f} per param leaf, {f16['param_leaves']} leaves) and "
+      f"moves {moved:+.2f}% bytes."
+    )
+  return lines
+
+
+def docs_section(single: dict[str, Any], multi: dict[str, Any] | None) -> str:
+  """The docs/benchmarks.md section of a one-GPU and a multi-GPU ``--target`` run's JSON."""
+  scaling = _loss_scaling_lines(single["rows"])
+  lines = [
+    DOCS_BEGIN,
+    f"### On an {single['target'].upper()} (compiled without a GPU)",
+    "",
+    f"{NOTE[0].upper()}{NOTE[1:]}. `benchmarks/run.py --target {single['target']}` compiles "
+    "each train step (donated carry) for the GPU with jax's CUDA plugin (deviceless ahead-of-time "
+    "compilation, `mpx.audit(..., target=...)`) and reads the optimised program: the GEMM and "
+    "convolution kernels with their backend and the dtypes they multiply (after the conversions "
+    "XLA fused into them), XLA's buffer assignment for the GPU (temp, arguments), the kernels "
+    "launched per step and the bytes their operands and results occupy (an upper bound on "
+    "traffic). On a real GPU the autotuner may choose other tilings, or cuBLAS instead of "
+    "Triton, for a GEMM.",
+    "",
+    f"Run {single['date']} with jax {single['jax_version']} on {single['machine']}:",
+    "",
+    "```",
+    _command(single),
+    *([_command(multi)] if multi else []),
+    "python benchmarks/run.py --write-docs   # this section, from the JSON of the two runs",
+    "```",
+    "",
+    format_table(single["rows"]),
+    "",
+    *([*scaling, ""] if scaling else []),
+    PUBLISHED,
+  ]
+  if multi:
+    lines += [
+      "",
+      f"#### {multi['target']}: data-parallel",
+      "",
+      f"`--target {multi['target']}`: the batch sharded over the GPUs (each GPU gets the "
+      "one-GPU batch above), params, optimizer and model state replicated; the collectives are "
+      "the ones XLA inserted, with the bytes each GPU sends per step. Figures per GPU.",
+      "",
+      format_table(multi["rows"]),
+    ]
+  lines.append(DOCS_END)
+  return "\n".join(lines)
+
+
+def write_docs(doc: pathlib.Path, single: dict[str, Any], multi: dict[str, Any] | None) -> None:
+  """Replaces the generated section of ``doc`` (between the markers) with :func:`docs_section`."""
+  text = doc.read_text()
+  section = docs_section(single, multi)
+  if DOCS_BEGIN in text:
+    head, rest = text.split(DOCS_BEGIN, 1)
+    text = head + section + rest.split(DOCS_END, 1)[1]
+  else:  # first time: after the "GPU figures: not measured" subsection
+    anchor = "### Saved residuals at full size"
+    text = text.replace(anchor, section + "\n\n" + anchor, 1)
+  doc.write_text(text)

@@ -347,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     help="compile for this GPU without one (h100, h100x8, 2xh100x8, a100, h200, b200, l4) "
     "and audit that program; needs jax's CUDA plugin and JAX_PLATFORMS=cpu",
   )
+  parser.add_argument(
+    "--write-docs",
+    action="store_true",
+    help="rewrite docs/benchmarks.md's target section from results/target_h100[x8].json",
+  )
   parser.add_argument("--models", nargs="+", default=None, metavar="MODEL")
   parser.add_argument("--configs", nargs="+", default=list(_setups.CONFIGS), metavar="CONFIG")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/run[_smoke].json)")
@@ -366,6 +371,16 @@ def main(argv: list[str] | None = None) -> int:
       steps=args.steps,
       out=pathlib.Path(args.worker_out),
       target=args.target,
+    )
+    return 0
+  if args.write_docs:
+    import _target
+
+    multi = RESULTS / "target_h100x8.json"
+    _target.write_docs(
+      HERE.parent / "docs" / "benchmarks.md",
+      json.loads((RESULTS / "target_h100.json").read_text()),
+      json.loads(multi.read_text()) if multi.exists() else None,
     )
     return 0
   if args.models is None:

@@ -324,6 +324,20 @@ def _loss_scaling_lines(rows: list[dict[str, Any]]) -> list[str]:
   return lines
 
 
+def _other_collective_lines(rows: list[dict[str, Any]]) -> list[str]:
+  """A line per configuration whose program has collectives other than all-reduces."""
+  lines = []
+  for r in rows:
+    other = [c for c in r.get("collectives", []) if c["kind"] != "all-reduce"]
+    if other:
+      lines.append(
+        f"* {r['model']}/{r['config']}: not only the gradient all-reduce: "
+        + collective_cell({"collectives": other})
+        + " per GPU."
+      )
+  return lines
+
+
 def docs_section(single: dict[str, Any], multi: dict[str, Any] | None) -> str:
   """The docs/benchmarks.md section of a one-GPU and a multi-GPU ``--target`` run's JSON."""
   scaling = _loss_scaling_lines(single["rows"])
@@ -363,6 +377,7 @@ def docs_section(single: dict[str, Any], multi: dict[str, Any] | None) -> str:
       "the ones XLA inserted, with the bytes each GPU sends per step. Figures per GPU.",
       "",
       format_table(multi["rows"]),
+      *_other_collective_lines(multi["rows"]),
     ]
   lines.append(DOCS_END)
   return "\n".join(lines)

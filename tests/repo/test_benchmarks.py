@@ -350,7 +350,7 @@ def test_target_table_cells():
 needs_plugin = pytest.mark.skipif(
   not targets.plugin_available(), reason="jax's CUDA plugin (the gpu-target extra) is missing"
 )
-TARGET_CONFIGS = ["f32", "mpx_bf16", "mpx_f16"]
+TARGET_CONFIGS = ["f32", "mpx_f16"]  # float32 and a mixed step with loss scaling
 
 
 def _run_target(tmp_path, target, models, configs):
@@ -409,7 +409,7 @@ def test_run_target_h100_smoke(tmp_path):
     assert row["roofline"]["ms"] > 0 and row["roofline"]["gemm_ms"] <= row["roofline"]["ms"]
   by = {(r["model"], r["config"]): r for r in report["rows"]}
   for model in ("gpt2_linen", "resnet50"):  # half-precision activations: less temp memory
-    assert by[model, "mpx_bf16"]["memory"]["temp_bytes"] < by[model, "f32"]["memory"]["temp_bytes"]
+    assert by[model, "mpx_f16"]["memory"]["temp_bytes"] < by[model, "f32"]["memory"]["temp_bytes"]
 
 
 @needs_plugin

@@ -21,11 +21,22 @@ peak, peak memory (``memory_stats()``), the loss-scaling overhead as time
 device), and the GEMM kernels of the compiled HLO with their operand types;
 a float32 GEMM in a mixed configuration fails the run.
 
+Target mode (``--target h100``, ``h100x8``, ``a100``...; needs jax's CUDA plugin, no GPU):
+each step compiled for that GPU without one, and its optimised program read
+(``benchmarks/_target.py``): GEMM kernels by backend and the dtypes they
+multiply, the fp8 share, XLA's memory for the GPU, kernels launched and bytes
+moved, collectives (several GPUs: data-parallel, batch sharded, the rest
+replicated), and a roofline estimate of the step time (a model, not a
+measurement; no autotuning). GPT-2 (linen) and ResNet-50 by default; JSON in
+``results/target_<target>[_smoke].json``. Set ``JAX_PLATFORMS=cpu``.
+
 Usage::
 
   python benchmarks/run.py                 # full sizes (CPU: compiles only)
   python benchmarks/run.py --smoke         # tiny sizes, in one process (CI)
   python benchmarks/run.py --models resnet50 --configs f32 mpx_bf16
+  JAX_PLATFORMS=cpu python benchmarks/run.py --target h100     # compiled for an H100, no GPU
+  JAX_PLATFORMS=cpu python benchmarks/run.py --target h100x8   # 8 H100s, data-parallel
 """
 
 from __future__ import annotations
@@ -49,6 +60,8 @@ sys.path.insert(0, str(HERE))
 
 from mpx._src.audit import device_peaks  # noqa: E402  (no JAX backend is initialised by it
 
+#: The models of a ``--target`` run unless ``--models`` says.
+TARGET_MODELS = ("gpt2_linen", "resnet50")
 #: Saved-residual bytes of the ``mpx_bf16`` step over the float32 step's: at most these.
 RESIDUAL_TARGETS = {"gpt2_linen": 0.55, "gpt2_nnx": 0.55, "resnet50": 0.60}
 
@@ -111,8 +124,21 @@ def _gpu_figures(
   return figures
 
 
-def worker(model: str, config: str, *, smoke: bool, steps: int, out: pathlib.Path) -> None:
-  """Measures one configuration of one model and writes its row as JSON."""
+def worker(
+  model: str,
+  config: str,
+  *,
+  smoke: bool,
+  steps: int,
+  out: pathlib.Path,
+  target: str | None = None,
+) -> None:
+  """Measures one configuration of one model (compiled for ``target`` if given) and writes its row as JSON."""
+  if target:
+    import _target
+
+    out.write_text(json.dumps(_target.row(model, config, target, smoke=smoke), indent=2) + "\n")
+    return
   import _gpu
   import _measure
   import _setups
@@ -160,12 +186,13 @@ def _run_worker(job: tuple[str, str], args: argparse.Namespace, tmp: pathlib.Pat
     return json.loads(out.read_text())
   if args.smoke:  # tiny models: one process for all, so that CI's smoke run stays under a minute
     try:
-      worker(model, config, smoke=True, steps=args.steps, out=out)
+      worker(model, config, smoke=True, steps=args.steps, out=out, target=args.target)
     except Exception as e:  # reported in the row, like a failed worker
       return {"model": model, "config": config, "error": f"{type(e).__name__}: {e}"}
     return json.loads(out.read_text())
   command = [sys.executable, __file__, "--worker", model, config, "--worker-out", str(out)]
   command += ["--steps", str(args.steps)] + (["--smoke"] if args.smoke else [])
+  command += ["--target", args.target] if args.target else []
   try:
     proc = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
   except subprocess.TimeoutExpired:
@@ -269,6 +296,44 @@ def _loss_scale_skips_on_gpu(args: argparse.Namespace) -> dict[str, Any]:
   return {r["name"]: 1e3 * r["wall_s_median"] for r in report["results"]}
 
 
+def _target_report(
+  rows: list[dict], args: argparse.Namespace, argv: list[str] | None, start: float
+) -> int:
+  """Writes and prints a ``--target`` run: JSON, then the table."""
+  import _setups
+  import _target
+  import jax
+
+  report: dict[str, Any] = {
+    "benchmark": "run --target",
+    "target": args.target,
+    "date": datetime.date.today().isoformat(),
+    "command": " ".join(
+      ["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]
+    ),
+    "smoke": args.smoke,
+    "jax_version": jax.__version__,
+    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
+    "note": _target.NOTE,
+    "roofline_note": _target.ROOFLINE_NOTE,
+    "collective_note": _target.COLLECTIVE_NOTE,
+    "measured_step_times": "none: no GPU was used; the roofline figures are a model",
+    "configs": {c: _setups.CONFIGS[c] for c in args.configs},
+    "rows": rows,
+    "seconds": time.perf_counter() - start,
+  }
+  name = f"target_{args.target}" + ("_smoke" if args.smoke else "")
+  out = pathlib.Path(args.out or RESULTS / f"{name}.json")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(report, indent=2) + "\n")
+  print(_target.format_table(rows))
+  print(f"{len(rows)} configurations in {report['seconds']:.0f} s; JSON: {out}")
+  failed = [r for r in rows if "error" in r]
+  for r in failed:
+    print(f"FAILED {r['model']}/{r['config']}: {r['error']}", file=sys.stderr)
+  return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
   import _setups
 
@@ -277,7 +342,17 @@ def main(argv: list[str] | None = None) -> int:
     epilog="Models: " + ", ".join(_setups.MODELS) + ". Configs: " + ", ".join(_setups.CONFIGS),
   )
   parser.add_argument("--smoke", action="store_true", help="tiny models (CI)")
-  parser.add_argument("--models", nargs="+", default=list(_setups.MODELS), metavar="MODEL")
+  parser.add_argument(
+    "--target",
+    help="compile for this GPU without one (h100, h100x8, 2xh100x8, a100, h200, b200, l4) "
+    "and audit that program; needs jax's CUDA plugin and JAX_PLATFORMS=cpu",
+  )
+  parser.add_argument(
+    "--write-docs",
+    action="store_true",
+    help="rewrite docs/benchmarks.md's target section from results/target_h100[x8].json",
+  )
+  parser.add_argument("--models", nargs="+", default=None, metavar="MODEL")
   parser.add_argument("--configs", nargs="+", default=list(_setups.CONFIGS), metavar="CONFIG")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/run[_smoke].json)")
   parser.add_argument("--steps", type=int, default=50, help="timed steps per configuration (GPU)")
@@ -290,8 +365,26 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--worker-out", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
   if args.worker:
-    worker(*args.worker, smoke=args.smoke, steps=args.steps, out=pathlib.Path(args.worker_out))
+    worker(
+      *args.worker,
+      smoke=args.smoke,
+      steps=args.steps,
+      out=pathlib.Path(args.worker_out),
+      target=args.target,
+    )
     return 0
+  if args.write_docs:
+    import _target
+
+    multi = RESULTS / "target_h100x8.json"
+    _target.write_docs(
+      HERE.parent / "docs" / "benchmarks.md",
+      json.loads((RESULTS / "target_h100.json").read_text()),
+      json.loads(multi.read_text()) if multi.exists() else None,
+    )
+    return 0
+  if args.models is None:
+    args.models = list(TARGET_MODELS if args.target else _setups.MODELS)
   unknown = set(args.models) - set(_setups.MODELS) | set(args.configs) - set(_setups.CONFIGS)
   if unknown:
     parser.error(f"unknown models/configs {sorted(unknown)}")
@@ -305,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     work = pathlib.Path(args.work_dir or tmp)
     work.mkdir(parents=True, exist_ok=True)
     rows = list(pool.map(lambda job: _run_worker(job, args, work), jobs))
+  if args.target:
+    return _target_report(rows, args, argv, start)
   _add_ratios(rows)
   report: dict[str, Any] = {
     "benchmark": "run",

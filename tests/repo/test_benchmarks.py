@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -444,3 +445,22 @@ def test_docs_target_section_is_the_rendering_of_the_results():
   for row in single["rows"]:
     if row["config"] in _setups.MIXED:
       assert row["half_flops_share"] == 1.0, (row["model"], row["config"])
+
+
+@needs_plugin
+def test_loss_scale_kernels_smoke():
+  """``loss_scale_kernels.py --smoke``: the kernels dynamic loss scaling adds, on the H100 program."""
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / "loss_scale_kernels.py"), "--smoke"],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=1200,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  summaries = re.findall(r"vs (.+?): ([+-]\d+) kernels", proc.stdout)
+  assert [label for label, _ in summaries] == ["mpx_f16 without loss scaling", "mpx_bf16"]
+  assert all(int(n) > 0 for _, n in summaries)  # the check and the state update are kernels
+  assert "reduce_and" in proc.stdout  # the finite check, listed by op name
+  assert "while" not in proc.stdout  # the leaf index needs no loop

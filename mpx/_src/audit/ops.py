@@ -168,3 +168,19 @@ class ReductionOp:
   def is_float16(self) -> bool:
     """Whether the op runs in float16 (the reductions the paper warns about)."""
     return self.dtype == np.dtype("float16")
+
+
+def operand(dtype: np.dtype, shape: tuple[int, ...]) -> str:
+  """An operand as the audit tables print it: ``bfloat16[8,512]``."""
+  return f"{dtype.name}[{','.join(map(str, shape))}]"
+
+
+def table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+  """The lines of a left-aligned text table: the header, a rule, then one line per row."""
+  widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+  lines = [
+    "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
+    for r in [header, *rows]
+  ]
+  lines.insert(1, "-" * len(lines[0]))
+  return lines

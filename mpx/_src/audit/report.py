@@ -10,12 +10,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
 from mpx._src.audit import device_peaks, stablehlo, target_report
+from mpx._src.audit import ops as audit_ops
 from mpx._src.audit.ops import MatmulOp, ReductionOp
 
 
@@ -214,23 +214,16 @@ class AuditReport:
         op.kind,
         "bwd" if op.is_backward else "fwd",
         op.module_path or "?",
-        _fmt(op.lhs_dtype, op.lhs_shape),
-        _fmt(op.rhs_dtype, op.rhs_shape),
-        _fmt(op.result_dtype, op.result_shape),
+        audit_ops.operand(op.lhs_dtype, op.lhs_shape),
+        audit_ops.operand(op.rhs_dtype, op.rhs_shape),
+        audit_ops.operand(op.result_dtype, op.result_shape),
         f"{op.flops / 1e6:.3f}",
         f"{100 * op.share:.1f}%",
         " ".join(self.flags(op)),
       )
       for i, op in enumerate(self.ops)
     ]
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = [
-      "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-      for r in [header, *rows]
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    lines.append(self.summary())
-    return "\n".join(lines)
+    return "\n".join([*audit_ops.table(header, rows), self.summary()])
 
   def summary(self, device: str | None = "H100 SXM") -> str:
     """Returns the report's totals (the last lines of ``str(report)``).
@@ -266,10 +259,6 @@ class AuditReport:
         parts = ", ".join(f"{cls} {1e3 * t:.3g} ms" for cls, t in seconds.items())
         lines[-1] += f"; estimated matmul time on {device} (FLOPs / peak, an estimate): {parts}"
     return "\n".join(lines)
-
-
-def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
-  return f"{dtype.name}[{','.join(map(str, shape))}]"
 
 
 @typing.overload

@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src.audit import compiled as hlo
+from mpx._src.audit import ops as audit_ops
 from mpx._src.audit import targets
 
 _NOTE = "compiled for the target without autotuning: kernel choices are XLA's defaults"
@@ -195,20 +196,14 @@ class TargetReport:
         g.backend,
         "bwd" if g.is_backward else "fwd",
         g.module_path or "?",
-        _fmt(g.lhs_dtype, g.lhs_shape),
-        _fmt(g.rhs_dtype, g.rhs_shape),
-        _fmt(g.result_dtype, g.result_shape),
+        audit_ops.operand(g.lhs_dtype, g.lhs_shape),
+        audit_ops.operand(g.rhs_dtype, g.rhs_shape),
+        audit_ops.operand(g.result_dtype, g.result_shape),
         f"{g.flops / 1e6:.3f}",
       )
       for i, g in enumerate(self.gemms)
     ]
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines = [
-      "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip()
-      for r in [header, *rows]
-    ]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join([*lines, self.summary()])
+    return "\n".join([*audit_ops.table(header, rows), self.summary()])
 
   def summary(self) -> str:
     """Returns the report's totals (the last lines of ``str(report)``)."""
@@ -233,10 +228,6 @@ class TargetReport:
       )
     lines += [f"lost: {line}" for line in self.lost]
     return "\n".join(lines)
-
-
-def _fmt(dtype: np.dtype, shape: tuple[int, ...]) -> str:
-  return f"{dtype.name}[{','.join(map(str, shape))}]"
 
 
 def _intent_lost(intended: Any, gemms: list[TargetGemm], target: str) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Float8 matmuls: the quantise-dequantise dot and the delayed-scaling state.
+"""Float8 matmuls: the float8 dot and the delayed-scaling state.
 
 Most users need none of these names: the ``"mixed_float8"`` and
 ``"mixed_float8_delayed"`` policies (recipes: :class:`mpx.Fp8Recipe`) make

@@ -181,6 +181,42 @@ def test_fp8_dot_general_forward_and_backward_use_float8_operands():
   assert not np.allclose(gq, np.asarray(g.astype(jnp.float32)), rtol=1e-3)
 
 
+# (lhs shape, rhs shape, dimension numbers, einsum of the same product): batch axes,
+# several contracting axes in an order of their own, free axes on both sides.
+_GENERAL_DOTS = [
+  ((4, 6, 8), (8, 5), (((2,), (0,)), ((), ())), "abk,kn->abn"),
+  ((3, 4, 8), (3, 8, 5), (((2,), (1,)), ((0,), (0,))), "bmk,bkn->bmn"),
+  ((6, 4, 2, 3), (3, 5, 2, 6), (((3, 2), (0, 2)), ((0,), (3,))), "bmij,jniB->bmn"),
+  ((8, 3), (5, 8), (((0,), (1,)), ((), ())), "km,nk->mn"),
+]
+
+
+@pytest.mark.parametrize(
+  "lhs_shape,rhs_shape,dims,_", _GENERAL_DOTS, ids=[d[3] for d in _GENERAL_DOTS]
+)
+def test_fp8_dot_general_handles_batch_and_several_contracting_axes(lhs_shape, rhs_shape, dims, _):
+  rng = np.random.default_rng(7)
+  lhs = jnp.asarray(rng.standard_normal(lhs_shape) * 3, jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal(rhs_shape) * 0.1, jnp.float32)
+  out, pullback = jax.vjp(lambda a, b: mpx.fp8.fp8_dot_general(a, b, dims), lhs, rhs)
+  g = jnp.asarray(rng.standard_normal(out.shape) * 1e-3, jnp.float32)
+  ga, gb = pullback(g)
+  # The reference: float64 products of the float8-rounded operands and gradient, with
+  # the plain dot_general's own transposes.
+  a, b = _qdq_np(lhs, ml_dtypes.float8_e4m3fn), _qdq_np(rhs, ml_dtypes.float8_e4m3fn)
+  gq = _qdq_np(g, ml_dtypes.float8_e5m2)
+  f64 = jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+  ref_out, ref_pullback = jax.vjp(
+    lambda x, y: jax.lax.dot_general(x, y, dims, precision="highest"),
+    jnp.asarray(a, f64),
+    jnp.asarray(b, f64),
+  )
+  ref_ga, ref_gb = ref_pullback(jnp.asarray(gq, f64))
+  assert ga.shape == lhs.shape and gb.shape == rhs.shape
+  for got, want in ((out, ref_out), (ga, ref_ga), (gb, ref_gb)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
+
+
 def test_delayed_state_gradient_is_the_observed_amax():
   lhs, rhs = _operands()
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
@@ -483,7 +519,7 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
   # The head is the only layer with a dimension of 4 (NNX paths are class names).
   assert len(others) == 3 and all(4 in (*op.lhs_shape, *op.rhs_shape) for op in others)
   for op in report.fp8_ops:
-    formats = [f.name for f in op.fp8 if f is not None]
+    formats = [f.name for f in op.fp8_formats if f is not None]
     assert (formats.count("float8_e5m2"), formats.count("float8_e4m3fn")) == (
       (1, 1) if op.is_backward else (0, 2)
     )

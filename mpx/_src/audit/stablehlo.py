@@ -291,8 +291,8 @@ def _upcast_from_half(value: Any) -> bool:
 def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
   """The float8 format ``value`` was dequantised from, or ``None``.
 
-  Recognises the quantise-dequantise form XLA:GPU rewrites into a float8
-  GEMM: ``convert(float8 -> wider)``, optionally multiplied or divided by a
+  Recognises the quantise-dequantise form (Flax's ``Fp8DotGeneralOp``):
+  ``convert(float8 -> wider)``, optionally multiplied or divided by a
   scale, optionally reshaped or transposed (an einsum's layout ops).
   """
   owner = value.owner

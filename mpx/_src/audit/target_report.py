@@ -343,8 +343,9 @@ def audit_target(
     warnings.warn(
       f"Compiled for {target_}, products lost the precision the program asked for: "
       + "; ".join(lost)
-      + ". (The float8 quantise-dequantise of Flax's Fp8DotGeneralOp and mpx.fp8.fp8_dot_general "
-      "compiles to bfloat16 GEMMs there; see docs/guide/gpu_target.md.)",
+      + ". (A float8 quantise-dequantise before a wider dot_general, as in Flax's "
+      "Fp8DotGeneralOp, compiles to bfloat16 GEMMs there; pass float8 operands to "
+      "dot_general, as mpx.fp8.fp8_dot_general does; see docs/guide/gpu_target.md.)",
       errors.PrecisionWarning,
       stacklevel=3,
     )

@@ -1,16 +1,20 @@
-"""Float8 matmuls: the scaling recipes, the quantise-dequantise dot, and the amax-history state.
+"""Float8 matmuls: quantisation, the float8 dot, and the amax-history state.
 
 Micikevicius et al., *FP8 Formats for Deep Learning* (2022): E4M3 (max 448)
 for the forward operands, E5M2 (max 57,344) for the gradients, each tensor
 multiplied by a per-tensor scale that moves its largest magnitude (amax) to
 the top of the format, products accumulated in float32.
 
-The dot is written in the form XLA:GPU rewrites into a cuBLASLt float8 GEMM:
-scale, clamp to the format's max, cast to float8, cast back and multiply by
-the scale, then ``dot_general``. On other backends the same program runs with
-the exact float8 rounding. Scales are powers of two, so dividing and
-multiplying by them is exact in bfloat16 and float32: the dequantised tensor
-is exactly ``ml_dtypes``' rounding of ``x / s``, times ``s``.
+The dot hands the float8 operands themselves to ``dot_general`` (divide by the
+scale, clamp to the format's max, cast to float8), asks for a float32 result
+and multiplies it by the two scales: XLA:GPU compiles that to a float8 GEMM
+(Triton or cuBLASLt) with the scaling in its epilogue, forward and backward.
+(The quantise-dequantise form, a ``dot_general`` of ``convert(float8) *
+scale`` operands, compiles to a bfloat16 GEMM for an H100 under XLA's default
+flags: XLA erases the round trip.) On other backends the same program runs
+with the exact float8 rounding. Scales are powers of two, so dividing and
+multiplying by them is exact: the product is exactly that of ``ml_dtypes``'
+roundings of ``x / s``, times the scales.
 
 Delayed scaling keeps, per tensor, one float32 array of ``history_length + 1``
 entries: ``[pending, most recent, ..., oldest]``. The forward pass reads the
@@ -250,11 +254,51 @@ def _fp8_dot(
   return _fp8_dot_fwd(recipe, dimension_numbers, precision, dtypes, lhs, rhs, states)[0]
 
 
-def _plain_dot(dimension_numbers: Any, precision: Any) -> Any:
-  def dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jax.lax.dot_general(a, b, dimension_numbers, precision=precision)
+def _rescaled(product: jax.Array, scales: Sequence[jax.Array], dtype: np.dtype) -> jax.Array:
+  """A float32 product of float8 operands, times their scales (one at a time), in ``dtype``.
 
-  return dot
+  One multiplication per scale: the scales are powers of two, so each product
+  is exact unless it leaves float32's range, and multiplying them together
+  first could underflow to zero where the result itself does not.
+  """
+  for scale in scales:
+    product = product * scale.astype(jnp.float32)
+  return product.astype(dtype)
+
+
+def _free_dims(ndim: int, *taken: Sequence[int]) -> list[int]:
+  used = {d for dims in taken for d in dims}
+  return [d for d in range(ndim) if d not in used]
+
+
+def _transposed_products(
+  dimension_numbers: Any, lhs_ndim: int, rhs_ndim: int
+) -> tuple[Any, tuple[int, ...], Any, tuple[int, ...]]:
+  """The two backward products of ``dot_general(lhs, rhs, dimension_numbers)`` with gradient ``g``.
+
+  ``dot_general`` orders its result as (batch, lhs free, rhs free). The
+  gradient of ``lhs`` is ``g`` contracted with ``rhs`` over the rhs free axes,
+  that of ``rhs`` is ``lhs`` contracted with ``g`` over the lhs free axes; each
+  comes out as (batch, kept, other's contracting) and is permuted back to its
+  operand's layout.
+
+  Returns:
+    ``(lhs_dims, lhs_perm, rhs_dims, rhs_perm)``: ``transpose(dot_general(g,
+    rhs, lhs_dims), lhs_perm)`` is the lhs gradient and
+    ``transpose(dot_general(lhs, g, rhs_dims), rhs_perm)`` the rhs one.
+  """
+  (lc, rc), (lb, rb) = dimension_numbers
+  lf, rf = _free_dims(lhs_ndim, lc, lb), _free_dims(rhs_ndim, rc, rb)
+  g_batch = tuple(range(len(lb)))
+  g_lhs_free = tuple(range(len(lb), len(lb) + len(lf)))
+  g_rhs_free = tuple(range(len(lb) + len(lf), len(lb) + len(lf) + len(rf)))
+  # g . rhs: (batch, lhs free, lhs contracting in the order of the rhs axes they meet).
+  lhs_dims = ((g_rhs_free, tuple(rf)), (g_batch, tuple(rb)))
+  lhs_order = [*lb, *lf, *(lc[i] for i in np.argsort(rc))]
+  # lhs . g: (batch, rhs contracting in the order of the lhs axes they meet, rhs free).
+  rhs_dims = ((tuple(lf), g_lhs_free), (tuple(lb), g_batch))
+  rhs_order = [*rb, *(rc[i] for i in np.argsort(lc)), *rf]
+  return lhs_dims, tuple(np.argsort(lhs_order)), rhs_dims, tuple(np.argsort(rhs_order))
 
 
 def _fp8_dot_fwd(
@@ -271,16 +315,16 @@ def _fp8_dot_fwd(
   histories = None if states is None else states[:2]
   lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
   lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
-  a, b = dequantize(lhs_q, lhs_scale, lhs.dtype), dequantize(rhs_q, rhs_scale, rhs.dtype)
-  # The product in the operands' dtype unless a wider one was asked for: cuBLASLt's
-  # float8 GEMMs accumulate in float32 (their only compute type), as XLA:CPU does for
-  # bfloat16 products, which it cannot return in float32 for every layout.
-  preferred = out_dtype if out_dtype != np.dtype(lhs.dtype) else None
-  out = jax.lax.dot_general(
-    a, b, dimension_numbers, precision=precision, preferred_element_type=preferred
-  ).astype(out_dtype)
+  # The float8 operands themselves reach dot_general, which XLA:GPU compiles to a
+  # float8 GEMM (Triton or cuBLASLt) accumulating in float32; the scales apply to its
+  # float32 result, in the GEMM's epilogue. (A dot of dequantised operands is a
+  # bfloat16 GEMM there: XLA erases the round trip through float8.)
+  product = jax.lax.dot_general(
+    lhs_q, rhs_q, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
+  )
+  out = _rescaled(product, (lhs_scale, rhs_scale), out_dtype)
   # The float8 operands are the residuals: a quarter of float32's bytes, and the
-  # backward products dequantise them again, in the form XLA recognises.
+  # backward products take them as they are.
   residuals = (lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states)
   return out, residuals
 
@@ -298,11 +342,16 @@ def _fp8_dot_bwd(
   g_amax = amax(g, recipe.axis_name)
   histories = None if states is None else states[2:]
   (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
-  g_dq = dequantize(quantize(g, E5M2, g_scale), g_scale, g.dtype)
-  a, b = dequantize(lhs_q, lhs_scale, lhs_dtype), dequantize(rhs_q, rhs_scale, rhs_dtype)
+  g_q = quantize(g, E5M2, g_scale)
 
-  product, pullback = jax.vjp(_plain_dot(dimension_numbers, precision), a, b)
-  ga, gb = pullback(g_dq.astype(product.dtype))
+  lhs_dims, lhs_perm, rhs_dims, rhs_perm = _transposed_products(
+    dimension_numbers, lhs_q.ndim, rhs_q.ndim
+  )
+  f32 = jnp.float32
+  ga = jax.lax.dot_general(g_q, rhs_q, lhs_dims, precision=precision, preferred_element_type=f32)
+  gb = jax.lax.dot_general(lhs_q, g_q, rhs_dims, precision=precision, preferred_element_type=f32)
+  ga = _rescaled(jnp.transpose(ga, lhs_perm), (g_scale, rhs_scale), lhs_dtype)
+  gb = _rescaled(jnp.transpose(gb, rhs_perm), (lhs_scale, g_scale), rhs_dtype)
   if states is None:
     return ga, gb, None
   observed = [*amaxes, g_amax]
@@ -325,15 +374,14 @@ def fp8_dot_general(
 ) -> jax.Array:
   """``jax.lax.dot_general`` with float8 operands: E4M3 forward, E5M2 gradients, float32 sums.
 
-  Both operands are quantised to E4M3 with per-tensor scales and dequantised
-  right before the product. In the backward pass the incoming gradient is
-  quantised to E5M2 the same way and both backward products take the saved
-  E4M3 operands. The products are requested in the operands' dtype:
-  cuBLASLt's float8 GEMMs accumulate in float32 (their only compute type)
-  and round once to that dtype, and XLA:CPU computes bfloat16 products in
-  float32 as well. This is the quantise-dequantise
-  form that XLA:GPU rewrites into cuBLASLt float8 GEMMs on Hopper and Ada
-  GPUs; elsewhere it computes the same float8-rounded products.
+  Both operands are quantised to E4M3 with per-tensor scales and multiplied
+  as float8 arrays, the product accumulated in float32, multiplied by the two
+  scales and rounded once to the output dtype. In the backward pass the
+  incoming gradient is quantised to E5M2 the same way and both backward
+  products (E5M2 x E4M3) take the saved E4M3 operands. XLA:GPU compiles each
+  of the three to a float8 GEMM on Hopper, Ada and Blackwell GPUs (checked on
+  the compiled H100 program by :func:`mpx.audit` with ``target="h100"``);
+  elsewhere the same float8-rounded products are computed in float32.
 
   Usable as a Flax layer's ``dot_general`` (``functools.partial`` with a
   recipe); :func:`mpx.linen.apply_policy` and :func:`mpx.nnx.apply_policy`

@@ -75,6 +75,7 @@ def test_presets_table_is_what_the_docs_say():
     "float16",
     "mixed_float8",
     "mixed_float8_delayed",
+    "mixed_float8_rowwise",
   }
 
 

@@ -37,6 +37,7 @@ PRESETS: dict[str, str] = {
   "float16": "params=float16,compute=float16,output=float16",
   "mixed_float8": "params=float32,compute=bfloat16,output=float32,fp8=current",
   "mixed_float8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
+  "mixed_float8_rowwise": "params=float32,compute=bfloat16,output=float32,fp8=rowwise",
 }
 _DTYPE_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
@@ -226,8 +227,9 @@ def get_policy(spec: str | Policy | Any) -> Policy:
     a key given twice takes its last value, as in ``jmp.get_policy``;
   * a bare dtype name, for all three dtypes: ``"bf16"``;
   * float8 matmuls: ``"mixed_float8"`` (``mixed_bfloat16`` with the dense and
-    einsum matmuls in float8, current scaling) and ``"mixed_float8_delayed"``
-    (delayed scaling), or an ``fp8=<recipe>`` part in jmp's grammar:
+    einsum matmuls in float8, current scaling), ``"mixed_float8_delayed"``
+    (delayed scaling) and ``"mixed_float8_rowwise"`` (a scale per row), or
+    an ``fp8=<recipe>`` part in jmp's grammar:
     ``"p=f32,c=bf16,o=f32,fp8=delayed:history=1024:reduction=max:margin=0"``
     (see :class:`mpx.Fp8Recipe`);
   * a :class:`Policy` (returned unchanged) or any object with ``param_dtype``,

@@ -13,7 +13,7 @@ from typing import Any
 
 from mpx._src import errors
 
-_SCALINGS = ("current", "delayed")
+_SCALINGS = ("current", "delayed", "rowwise")
 _REDUCTIONS = ("max", "most_recent")
 
 
@@ -32,13 +32,26 @@ class Fp8Recipe:
     empty (the first optimizer step) each tensor's own amax sets its scale,
     as in current scaling (Transformer Engine uses 1 there, which saturates
     large values and flushes small gradients to zero in E5M2).
+  * ``"rowwise"`` scaling (torchao's rowwise recipe): current scaling with
+    one scale per row instead of per tensor. Each operand of each product
+    gets a scale per index of the axes the product keeps (per row of the
+    activations, per column of a ``(in, out)`` kernel), from the amax over
+    the axes it contracts, so one outlier row no longer coarsens the rest.
+    The scales are constant along the contraction, so they still apply to
+    the float32 result of a plain float8 GEMM. Each backward product
+    contracts an axis along which a saved operand's scales vary; those
+    powers of two are folded into the gradient (exact in float32), which is
+    quantised per row for that product, and the saved float8 operands are
+    used as they are. Gradients are E4M3 as well (as in torchao's rowwise
+    recipe and
+    DeepSeek-V3): per row, their range is that of the row. No state.
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
   clamped to it (saturation), NaN stays NaN.
 
   Attributes:
-    scaling: ``"current"`` or ``"delayed"``.
+    scaling: ``"current"``, ``"delayed"`` or ``"rowwise"``.
     history_length: amaxes kept per tensor (delayed scaling).
     reduction: ``"max"`` or ``"most_recent"``: how the history gives the
       amax that sets the scale (delayed scaling).
@@ -83,7 +96,8 @@ class Fp8Recipe:
     if self.scaling not in _SCALINGS:
       raise errors.PolicyError(
         f"Unknown fp8 scaling {self.scaling!r}; write 'current' (each tensor's own amax, no "
-        "state) or 'delayed' (an amax history kept as state)."
+        "state), 'delayed' (an amax history kept as state) or 'rowwise' (one scale per row, "
+        "no state)."
       )
     if self.reduction not in _REDUCTIONS:
       raise errors.PolicyError(
@@ -102,6 +116,11 @@ class Fp8Recipe:
     """Whether the recipe keeps an amax history (state)."""
     return self.scaling == "delayed"
 
+  @property
+  def rowwise(self) -> bool:
+    """Whether each operand has one scale per row (per index of the axes its product keeps)."""
+    return self.scaling == "rowwise"
+
   def __str__(self) -> str:
     # Only what differs from the defaults, so that a preset prints as written; every
     # such field, whatever the scaling, so that parse_recipe(str(r)) == r.
@@ -117,15 +136,16 @@ class Fp8Recipe:
     return ":".join(parts)
 
   def for_attention(self) -> Fp8Recipe:
-    """The current-scaling recipe of attention matmuls (same margin and axis)."""
-    return dataclasses.replace(self, scaling="current", attention=False)
+    """The recipe of attention matmuls: rowwise stays rowwise, others become current (same margin and axis)."""
+    scaling = "rowwise" if self.rowwise else "current"
+    return dataclasses.replace(self, scaling=scaling, attention=False)
 
 
 _RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin": "margin"}
 _AXIS_NAME = r"[A-Za-z0-9_.\-]+"
 _RECIPE_FORM = (
   "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
-  "(every part optional) or 'current' (with margin, axis, attention)"
+  "(every part optional), or 'current' or 'rowwise' (with margin, axis, attention)"
 )
 
 

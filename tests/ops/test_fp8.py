@@ -217,6 +217,79 @@ def test_fp8_dot_general_handles_batch_and_several_contracting_axes(lhs_shape, r
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
 
 
+def _rows_qdq(x, axis):
+  """x rounded to E4M3 with a power-of-two scale per index of the axes other than ``axis``."""
+  x = np.asarray(x, np.float32)
+  amax = np.max(np.abs(x), axis=axis, keepdims=True)
+  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  return _reference(x / scale, ml_dtypes.float8_e4m3fn) * scale, scale
+
+
+def test_rowwise_forward_and_backward_match_a_numpy_reference():
+  rng = np.random.default_rng(5)
+  lhs = rng.standard_normal((16, 64)).astype(np.float32) * np.exp2(rng.integers(-12, 12, (16, 1)))
+  rhs = rng.standard_normal((64, 8)).astype(np.float32) * np.exp2(rng.integers(-12, 12, (1, 8)))
+  g = rng.standard_normal((16, 8)).astype(np.float32) * 1e-4
+  recipe = mpx.Fp8Recipe("rowwise")
+  out, pullback = jax.vjp(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe),
+    jnp.asarray(lhs),
+    jnp.asarray(rhs),
+  )
+  ga, gb = pullback(jnp.asarray(g))
+  # Forward: a scale per row of lhs (over its contracted columns), per column of rhs.
+  a, a_scale = _rows_qdq(lhs, 1)
+  b, b_scale = _rows_qdq(rhs, 0)
+  # Backward: the saved float8 operands as they are; the other side's scales folded
+  # into the gradient, which is rounded to E4M3 per row of the product it feeds.
+  ga_ref = _rows_qdq(g * b_scale, 1)[0] @ (b / b_scale).T
+  gb_ref = (a / a_scale).T @ _rows_qdq(g * a_scale, 0)[0]
+  for got, want in ((out, a @ b), (ga, ga_ref), (gb, gb_ref)):
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=0)
+  # Per tensor, the rows 2**24 times smaller than the largest would be flushed to zero.
+  assert np.all(np.abs(np.asarray(out)).max(axis=1) > 0)
+
+
+def _sqnr(x, reference) -> float:
+  x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+  return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))
+
+
+def _with_outliers(rng, shape, scale, rows, columns):
+  """Gaussian values, a few rows ``rows`` times larger and a few columns ``columns`` times larger."""
+  x = rng.standard_normal(shape) * scale
+  x[rng.choice(shape[0], 4, replace=False)] *= rows
+  x[:, rng.choice(shape[1], 4, replace=False)] *= columns
+  return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("scaling,target", [("current", 20), ("delayed", 20), ("rowwise", 25)])
+def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(scaling, target):
+  # torchao's criterion: SQNR against float32 of the output and both gradients,
+  # here on activations with outlier tokens and channels and gradients with
+  # outlier tokens (an LLM's linear layer).
+  rng = np.random.default_rng(11)
+  x = _with_outliers(rng, (256, 512), 1.0, 50.0, 20.0)
+  w = (rng.standard_normal((512, 256)) * 0.02).astype(np.float32)
+  g = _with_outliers(rng, (256, 256), 1e-3, 30.0, 1.0)
+  recipe = mpx.Fp8Recipe(scaling)
+  state = tuple(fp8_lib.init_history(recipe) for _ in range(3)) if recipe.delayed else None
+
+  def fp8(a, b):
+    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    return mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state).astype(jnp.float32)
+
+  def exact(a, b):
+    return jax.lax.dot_general(a, b, DIMS, precision="highest")
+
+  results = []
+  for f in (fp8, exact):
+    out, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
+    results.append((out, *pullback(jnp.asarray(g))))
+  sqnrs = [_sqnr(got, want) for got, want in zip(*results, strict=True)]
+  assert min(sqnrs) >= target, sqnrs
+
+
 def test_delayed_state_gradient_is_the_observed_amax():
   lhs, rhs = _operands()
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
@@ -434,7 +507,8 @@ def test_amax_is_reduced_over_a_named_axis():
 
 
 def test_policy_strings_round_trip_and_errors():
-  for name, scaling in (("mixed_float8", "current"), ("mixed_float8_delayed", "delayed")):
+  presets = ("mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise")
+  for name, scaling in zip(presets, ("current", "delayed", "rowwise"), strict=True):
     policy = mpx.get_policy(name)
     assert policy.fp8 is not None and policy.fp8.scaling == scaling
     assert np.dtype(policy.compute_dtype) == jnp.bfloat16
@@ -504,7 +578,7 @@ def _nnx_loss(policy):
 
 
 @pytest.mark.parametrize("make", [_linen_loss, _nnx_loss], ids=["linen", "nnx"])
-@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise"])
 def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy):
   loss, params, history = make(policy)
   delayed = policy.endswith("delayed")
@@ -520,8 +594,10 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
   assert len(others) == 3 and all(4 in (*op.lhs_shape, *op.rhs_shape) for op in others)
   for op in report.fp8_ops:
     formats = [f.name for f in op.fp8_formats if f is not None]
+    # Gradients are E5M2 per tensor, E4M3 per row.
+    e5m2_gradient = op.is_backward and not policy.endswith("rowwise")
     assert (formats.count("float8_e5m2"), formats.count("float8_e4m3fn")) == (
-      (1, 1) if op.is_backward else (0, 2)
+      (1, 1) if e5m2_gradient else (0, 2)
     )
 
 

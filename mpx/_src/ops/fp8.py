@@ -301,6 +301,76 @@ def _transposed_products(
   return lhs_dims, tuple(np.argsort(lhs_order)), rhs_dims, tuple(np.argsort(rhs_order))
 
 
+def _rowwise(x: jax.Array, dtype: Any, contracting: Sequence[int], recipe: Fp8Recipe):
+  """``x`` quantised with one scale per index of its other axes: the amax over ``contracting``.
+
+  Returns:
+    ``(q, scale)``, the scale float32 of ``x``'s rank with size 1 on the
+    contracting axes.
+  """
+  value = jnp.max(jnp.abs(x), axis=tuple(contracting), keepdims=True).astype(jnp.float32)
+  if recipe.axis_name is not None:
+    value = jax.lax.pmax(value, recipe.axis_name)
+  scale = scale_for(value, dtype, margin=recipe.margin)
+  return quantize(x, dtype, scale), scale
+
+
+def _in_output_layout(
+  scale: jax.Array,
+  ndim: int,
+  contracting: Sequence[int],
+  batch: Sequence[int],
+  before: int,
+  after: int,
+) -> jax.Array:
+  """An operand's scale laid out like ``dot_general``'s result: (batch, lhs free, rhs free).
+
+  A per-tensor (scalar) scale is returned as it is. A per-row scale (size 1
+  on the contracting axes) loses those axes, puts its batch axes first and
+  gets ``before`` size-1 axes after them (the other operand's free axes, for
+  the rhs) and ``after`` at the end (for the lhs).
+  """
+  if scale.ndim == 0:
+    return scale
+  kept = [d for d in range(ndim) if d not in contracting]
+  free = [d for d in kept if d not in batch]
+  scale = jnp.squeeze(scale, tuple(contracting))
+  scale = jnp.transpose(scale, [kept.index(d) for d in (*batch, *free)])
+  nb = len(batch)
+  return scale.reshape((*scale.shape[:nb], *(1,) * before, *scale.shape[nb:], *(1,) * after))
+
+
+def _scaled_dot(
+  a: jax.Array,
+  a_scale: jax.Array,
+  b: jax.Array,
+  b_scale: jax.Array,
+  dimension_numbers: Any,
+  precision: Any,
+  dtype: np.dtype,
+) -> jax.Array:
+  """``dot_general`` of two float8 arrays in float32, times their scales, in ``dtype``.
+
+  The float8 operands themselves reach ``dot_general``, which XLA:GPU compiles
+  to a float8 GEMM (Triton or cuBLASLt) accumulating in float32; the scales
+  (per tensor, or per row of each operand: constant along the contraction)
+  apply to its float32 result, in the GEMM's epilogue. (A dot of dequantised
+  operands is a bfloat16 GEMM there: XLA erases the round trip through
+  float8.)
+  """
+  (ac, bc), (ab, bb) = dimension_numbers
+  a_free = a.ndim - len(ac) - len(ab)
+  b_free = b.ndim - len(bc) - len(bb)
+  product = jax.lax.dot_general(
+    a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
+  )
+  scales = (
+    _in_output_layout(a_scale, a.ndim, ac, ab, 0, b_free),
+    _in_output_layout(b_scale, b.ndim, bc, bb, a_free, 0),
+  )
+  return _rescaled(product, scales, dtype)
+
+
 def _fp8_dot_fwd(
   recipe: Fp8Recipe,
   dimension_numbers: Any,
@@ -311,18 +381,19 @@ def _fp8_dot_fwd(
   states: tuple[jax.Array, ...] | None,
 ) -> tuple[jax.Array, Any]:
   out_dtype = dtypes[2]
-  amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
-  histories = None if states is None else states[:2]
-  lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
-  lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
-  # The float8 operands themselves reach dot_general, which XLA:GPU compiles to a
-  # float8 GEMM (Triton or cuBLASLt) accumulating in float32; the scales apply to its
-  # float32 result, in the GEMM's epilogue. (A dot of dequantised operands is a
-  # bfloat16 GEMM there: XLA erases the round trip through float8.)
-  product = jax.lax.dot_general(
-    lhs_q, rhs_q, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
-  )
-  out = _rescaled(product, (lhs_scale, rhs_scale), out_dtype)
+  (lc, rc), _ = dimension_numbers
+  if recipe.rowwise:
+    (lhs_q, lhs_scale), (rhs_q, rhs_scale) = (
+      _rowwise(lhs, E4M3, lc, recipe),
+      _rowwise(rhs, E4M3, rc, recipe),
+    )
+    amaxes = None
+  else:
+    amaxes = [amax(lhs, recipe.axis_name), amax(rhs, recipe.axis_name)]
+    histories = None if states is None else states[:2]
+    lhs_scale, rhs_scale = _scales(recipe, histories, (lhs, rhs), amaxes, E4M3)
+    lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
+  out = _scaled_dot(lhs_q, lhs_scale, rhs_q, rhs_scale, dimension_numbers, precision, out_dtype)
   # The float8 operands are the residuals: a quarter of float32's bytes, and the
   # backward products take them as they are.
   residuals = (lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states)
@@ -339,19 +410,38 @@ def _fp8_dot_bwd(
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
   lhs_dtype, rhs_dtype, _ = dtypes
   lhs_q, rhs_q, lhs_scale, rhs_scale, amaxes, states = residuals
+  lhs_dims, lhs_perm, rhs_dims, rhs_perm = _transposed_products(
+    dimension_numbers, lhs_q.ndim, rhs_q.ndim
+  )
+  if recipe.rowwise:
+    # Each backward product contracts an axis along which one saved operand's
+    # scales vary (the rhs's over its free axes, the lhs's over its rows). Those
+    # scales are powers of two: fold them into the gradient (exact in float32),
+    # which is then quantised once per product, per row along the axes that
+    # product keeps, and the saved float8 operands are used as they are.
+    (g_over_rhs_free, _), _ = lhs_dims
+    (_, g_over_lhs_free), _ = rhs_dims
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs_free = lhs_q.ndim - len(lc) - len(lb)
+    rhs_free = rhs_q.ndim - len(rc) - len(rb)
+    g32 = g.astype(jnp.float32)
+    one = jnp.float32(1.0)
+    # E4M3 for the gradient too (torchao's rowwise, DeepSeek-V3's tiles): with a
+    # scale per row its range is the row's, and E4M3 has one more mantissa bit.
+    rhs_in_g = _in_output_layout(rhs_scale, rhs_q.ndim, rc, rb, lhs_free, 0)
+    g_a, g_a_scale = _rowwise(g32 * rhs_in_g, E4M3, g_over_rhs_free, recipe)
+    ga = _scaled_dot(g_a, g_a_scale, rhs_q, one, lhs_dims, precision, lhs_dtype)
+    lhs_in_g = _in_output_layout(lhs_scale, lhs_q.ndim, lc, lb, 0, rhs_free)
+    g_b, g_b_scale = _rowwise(g32 * lhs_in_g, E4M3, g_over_lhs_free, recipe)
+    gb = _scaled_dot(lhs_q, one, g_b, g_b_scale, rhs_dims, precision, rhs_dtype)
+    return jnp.transpose(ga, lhs_perm), jnp.transpose(gb, rhs_perm), None
   g_amax = amax(g, recipe.axis_name)
   histories = None if states is None else states[2:]
   (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
   g_q = quantize(g, E5M2, g_scale)
-
-  lhs_dims, lhs_perm, rhs_dims, rhs_perm = _transposed_products(
-    dimension_numbers, lhs_q.ndim, rhs_q.ndim
-  )
-  f32 = jnp.float32
-  ga = jax.lax.dot_general(g_q, rhs_q, lhs_dims, precision=precision, preferred_element_type=f32)
-  gb = jax.lax.dot_general(lhs_q, g_q, rhs_dims, precision=precision, preferred_element_type=f32)
-  ga = _rescaled(jnp.transpose(ga, lhs_perm), (g_scale, rhs_scale), lhs_dtype)
-  gb = _rescaled(jnp.transpose(gb, rhs_perm), (lhs_scale, g_scale), rhs_dtype)
+  ga = _scaled_dot(g_q, g_scale, rhs_q, rhs_scale, lhs_dims, precision, lhs_dtype)
+  gb = _scaled_dot(lhs_q, lhs_scale, g_q, g_scale, rhs_dims, precision, rhs_dtype)
+  ga, gb = jnp.transpose(ga, lhs_perm), jnp.transpose(gb, rhs_perm)
   if states is None:
     return ga, gb, None
   observed = [*amaxes, g_amax]

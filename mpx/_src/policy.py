@@ -38,6 +38,7 @@ PRESETS: dict[str, str] = {
   "mixed_float8": "params=float32,compute=bfloat16,output=float32,fp8=current",
   "mixed_float8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
   "mixed_float8_rowwise": "params=float32,compute=bfloat16,output=float32,fp8=rowwise",
+  "mixed_mxfp8": "params=float32,compute=bfloat16,output=float32,fp8=mxfp8",
 }
 _DTYPE_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
@@ -228,7 +229,8 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   * a bare dtype name, for all three dtypes: ``"bf16"``;
   * float8 matmuls: ``"mixed_float8"`` (``mixed_bfloat16`` with the dense and
     einsum matmuls in float8, current scaling), ``"mixed_float8_delayed"``
-    (delayed scaling) and ``"mixed_float8_rowwise"`` (a scale per row), or
+    (delayed scaling), ``"mixed_float8_rowwise"`` (a scale per row) and
+    ``"mixed_mxfp8"`` (a scale per block of 32, for Blackwell GPUs), or
     an ``fp8=<recipe>`` part in jmp's grammar:
     ``"p=f32,c=bf16,o=f32,fp8=delayed:history=1024:reduction=max:margin=0"``
     (see :class:`mpx.Fp8Recipe`);

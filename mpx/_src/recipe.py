@@ -13,7 +13,7 @@ from typing import Any
 
 from mpx._src import errors
 
-_SCALINGS = ("current", "delayed", "rowwise")
+_SCALINGS = ("current", "delayed", "rowwise", "mxfp8")
 _REDUCTIONS = ("max", "most_recent")
 
 
@@ -45,13 +45,18 @@ class Fp8Recipe:
     used as they are. Gradients are E4M3 as well (as in torchao's rowwise
     recipe and
     DeepSeek-V3): per row, their range is that of the row. No state.
+  * ``"mxfp8"`` (OCP Microscaling, native on Blackwell GPUs): one
+    power-of-two E8M0 scale per block of 32 elements along each product's
+    contraction, E4M3 values for every operand and the gradient, through
+    ``jax.lax.scaled_dot`` (see :mod:`mpx._src.ops.mx`). No state;
+    ``axis_name`` does not apply (a block never spans devices).
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
   clamped to it (saturation), NaN stays NaN.
 
   Attributes:
-    scaling: ``"current"``, ``"delayed"`` or ``"rowwise"``.
+    scaling: ``"current"``, ``"delayed"``, ``"rowwise"`` or ``"mxfp8"``.
     history_length: amaxes kept per tensor (delayed scaling).
     reduction: ``"max"`` or ``"most_recent"``: how the history gives the
       amax that sets the scale (delayed scaling).
@@ -96,8 +101,8 @@ class Fp8Recipe:
     if self.scaling not in _SCALINGS:
       raise errors.PolicyError(
         f"Unknown fp8 scaling {self.scaling!r}; write 'current' (each tensor's own amax, no "
-        "state), 'delayed' (an amax history kept as state) or 'rowwise' (one scale per row, "
-        "no state)."
+        "state), 'delayed' (an amax history kept as state), 'rowwise' (one scale per row, "
+        "no state) or 'mxfp8' (a scale per block of 32, no state)."
       )
     if self.reduction not in _REDUCTIONS:
       raise errors.PolicyError(
@@ -115,6 +120,11 @@ class Fp8Recipe:
   def delayed(self) -> bool:
     """Whether the recipe keeps an amax history (state)."""
     return self.scaling == "delayed"
+
+  @property
+  def block_scaled(self) -> bool:
+    """Whether the recipe scales blocks of 32 elements (MXFP8)."""
+    return self.scaling == "mxfp8"
 
   @property
   def rowwise(self) -> bool:
@@ -136,8 +146,8 @@ class Fp8Recipe:
     return ":".join(parts)
 
   def for_attention(self) -> Fp8Recipe:
-    """The recipe of attention matmuls: rowwise stays rowwise, others become current (same margin and axis)."""
-    scaling = "rowwise" if self.rowwise else "current"
+    """The recipe of attention matmuls: rowwise and MXFP8 stay, delayed becomes current (same margin and axis)."""
+    scaling = "current" if self.delayed else self.scaling
     return dataclasses.replace(self, scaling=scaling, attention=False)
 
 
@@ -145,7 +155,7 @@ _RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin":
 _AXIS_NAME = r"[A-Za-z0-9_.\-]+"
 _RECIPE_FORM = (
   "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
-  "(every part optional), or 'current' or 'rowwise' (with margin, axis, attention)"
+  "(every part optional), or 'current', 'rowwise' or 'mxfp8' (with margin, axis, attention)"
 )
 
 

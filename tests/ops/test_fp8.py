@@ -250,6 +250,50 @@ def test_rowwise_forward_and_backward_match_a_numpy_reference():
   assert np.all(np.abs(np.asarray(out)).max(axis=1) > 0)
 
 
+def _blocks_qdq(x, axis):
+  """x rounded to E4M3 with a power-of-two scale per block of 32 along ``axis`` (zero-padded)."""
+  x = np.asarray(x, np.float32)
+  pad = -x.shape[axis] % 32
+  widths = [(0, pad if d == axis else 0) for d in range(x.ndim)]
+  padded = np.pad(x, widths)
+  shape = padded.shape
+  blocks = np.moveaxis(padded, axis, -1).reshape(*np.delete(shape, axis), -1, 32)
+  amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
+  scale = np.maximum(np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn)), 2.0**-127)
+  rounded = _reference(blocks / scale, ml_dtypes.float8_e4m3fn) * scale
+  rounded = np.moveaxis(rounded.reshape(*np.delete(shape, axis), shape[axis]), -1, axis)
+  return rounded[tuple(slice(0, n) for n in x.shape)]
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 96, 32), (20, 50, 10)], ids=["aligned", "padded"])
+def test_mxfp8_forward_and_backward_match_a_numpy_reference(m, k, n):
+  rng = np.random.default_rng(6)
+  # Magnitudes that change every few elements: each block of 32 gets its own scale.
+  lhs = rng.standard_normal((m, k)) * np.exp2(rng.integers(-20, 20, (m, k)) // 8 * 4)
+  rhs = rng.standard_normal((k, n)) * np.exp2(rng.integers(-20, 20, (k, n)) // 8 * 4)
+  lhs, rhs = lhs.astype(np.float32), rhs.astype(np.float32)
+  g = (rng.standard_normal((m, n)) * 1e-4).astype(np.float32)
+  recipe = mpx.Fp8Recipe("mxfp8")
+  out, pullback = jax.vjp(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe),
+    jnp.asarray(lhs),
+    jnp.asarray(rhs),
+  )
+  ga, gb = pullback(jnp.asarray(g))
+  # Each product's operands in blocks of 32 along the axis it contracts.
+  products = (
+    (out, _blocks_qdq(lhs, 1), _blocks_qdq(rhs, 0)),
+    (ga, _blocks_qdq(g, 1), _blocks_qdq(rhs, 1).T),
+    (gb, _blocks_qdq(lhs, 0).T, _blocks_qdq(g, 0)),
+  )
+  for got, a, b in products:
+    # float32 sums in another order than float64's: within a few ulps of sum(|a||b|).
+    error = np.abs(np.asarray(got, np.float64) - a.astype(np.float64) @ b)
+    assert np.all(error <= 2**-20 * (np.abs(a).astype(np.float64) @ np.abs(b)))
+  # One scale per tensor or per row would flush the smallest blocks to zero.
+  assert np.count_nonzero(np.asarray(out)) == out.size
+
+
 def _sqnr(x, reference) -> float:
   x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
   return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))
@@ -263,7 +307,9 @@ def _with_outliers(rng, shape, scale, rows, columns):
   return x.astype(np.float32)
 
 
-@pytest.mark.parametrize("scaling,target", [("current", 20), ("delayed", 20), ("rowwise", 25)])
+@pytest.mark.parametrize(
+  "scaling,target", [("current", 20), ("delayed", 20), ("rowwise", 25), ("mxfp8", 25)]
+)
 def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(scaling, target):
   # torchao's criterion: SQNR against float32 of the output and both gradients,
   # here on activations with outlier tokens and channels and gradients with
@@ -507,8 +553,8 @@ def test_amax_is_reduced_over_a_named_axis():
 
 
 def test_policy_strings_round_trip_and_errors():
-  presets = ("mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise")
-  for name, scaling in zip(presets, ("current", "delayed", "rowwise"), strict=True):
+  presets = ("mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise", "mixed_mxfp8")
+  for name, scaling in zip(presets, ("current", "delayed", "rowwise", "mxfp8"), strict=True):
     policy = mpx.get_policy(name)
     assert policy.fp8 is not None and policy.fp8.scaling == scaling
     assert np.dtype(policy.compute_dtype) == jnp.bfloat16
@@ -578,7 +624,9 @@ def _nnx_loss(policy):
 
 
 @pytest.mark.parametrize("make", [_linen_loss, _nnx_loss], ids=["linen", "nnx"])
-@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise"])
+@pytest.mark.parametrize(
+  "policy", ["mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise", "mixed_mxfp8"]
+)
 def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy):
   loss, params, history = make(policy)
   delayed = policy.endswith("delayed")
@@ -594,8 +642,8 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
   assert len(others) == 3 and all(4 in (*op.lhs_shape, *op.rhs_shape) for op in others)
   for op in report.fp8_ops:
     formats = [f.name for f in op.fp8_formats if f is not None]
-    # Gradients are E5M2 per tensor, E4M3 per row.
-    e5m2_gradient = op.is_backward and not policy.endswith("rowwise")
+    # Gradients are E5M2 per tensor, E4M3 per row or block.
+    e5m2_gradient = op.is_backward and policy in ("mixed_float8", "mixed_float8_delayed")
     assert (formats.count("float8_e5m2"), formats.count("float8_e4m3fn")) == (
       (1, 1) if e5m2_gradient else (0, 2)
     )

@@ -115,3 +115,24 @@ def test_fp8_step_plans_at_most_three_quarters_of_the_bfloat16_temp_memory(polic
   bf16 = _bfloat16_temp_bytes()
   fp8 = _audit(_linen_step, policy, batch=4096, width=1024).memory.temp_bytes
   assert fp8 <= 0.75 * bf16, (fp8 / 2**20, bf16 / 2**20)
+
+
+def test_mxfp8_runs_block_scaled_float8_gemms_on_a_b200():
+  step, variables, x = _linen_step("mixed_mxfp8", 256, 256)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", mpx.PrecisionWarning)
+    report = report_lib.audit(step, variables, x, target="b200")
+  assert len(report.gemms) == 11 and {g.kind for g in report.gemms} == {"scaled-dot"}
+  assert report.fp8_flops_share == 1.0 and not report.lost
+  assert all(g.dtypes == (E4M3, E4M3) for g in report.gemms)  # gradients are E4M3 too
+
+
+def test_mxfp8_on_an_h100_is_reported_as_bfloat16():
+  # Hopper has no block-scaled MMA: Triton dequantises the blocks and multiplies bfloat16.
+  step, variables, x = _linen_step("mixed_mxfp8", 256, 256)
+  with pytest.warns(
+    mpx.PrecisionWarning, match=r"LinenMlp/head \(forward\): 1 products with float8"
+  ):
+    report = report_lib.audit(step, variables, x, target="h100")
+  assert report.fp8_flops_share == 0.0 and report.intended.fp8_flops_share == 1.0
+  assert len(report.lost) == 8  # every layer, forward and backward

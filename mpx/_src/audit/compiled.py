@@ -277,8 +277,15 @@ def _record(
   kernel: dict[str, Any],
   count: int,
   backend: str,
+  native_block_scaling: bool,
 ) -> dict[str, Any]:
   (lhs_dtype, lhs), (rhs_dtype, rhs) = _operand(instrs, product, 0), _operand(instrs, product, 1)
+  block_scaled = product["opcode"] == "scaled-dot"
+  if block_scaled and not native_block_scaling:
+    # Without block-scaled MMAs (before Blackwell), the Triton kernel dequantises
+    # the blocks to bfloat16 in registers and multiplies bfloat16 (checked in the
+    # PTX of an H100 compile: wgmma ... f32.bf16.bf16).
+    lhs_dtype = rhs_dtype = np.dtype(jnp.bfloat16)
   result_dtype, result = arrays(product["type"])[0]
   custom = product["opcode"] == "custom-call"
   is_conv = product["opcode"] == "convolution" or "conv" in (
@@ -292,7 +299,7 @@ def _record(
   return dict(
     kernel=kernel["name"],
     backend=backend,
-    kind="convolution" if is_conv else "dot",
+    kind="convolution" if is_conv else "scaled-dot" if block_scaled else "dot",
     lhs_dtype=lhs_dtype,
     rhs_dtype=rhs_dtype,
     result_dtype=result_dtype,
@@ -322,11 +329,13 @@ def _products(
   return out
 
 
-def gemms(text: str) -> list[dict[str, Any]]:
+def gemms(text: str, *, native_block_scaling: bool = False) -> list[dict[str, Any]]:
   """Every matrix product or convolution kernel of a compiled program.
 
   Args:
     text: ``compiled.as_text()``.
+    native_block_scaling: whether the GPU multiplies MX block-scaled float8
+      (Blackwell); before it, a ``scaled-dot`` kernel multiplies bfloat16.
 
   Returns:
     One dict per product with the fields of ``TargetGemm``: the kernel's
@@ -340,13 +349,13 @@ def gemms(text: str) -> list[dict[str, Any]]:
     backend = _backend(instr)
     if instr["opcode"] == "custom-call" and backend in ("cublas", "cublaslt", "cudnn"):
       by_name = {i["name"]: i for i in computations[comp]}
-      records.append(_record(instr, by_name, instr, count, backend))
+      records.append(_record(instr, by_name, instr, count, backend, native_block_scaling))
     elif instr["opcode"] in ("dot", "convolution"):
       by_name = {i["name"]: i for i in computations[comp]}
-      records.append(_record(instr, by_name, instr, count, "xla"))
+      records.append(_record(instr, by_name, instr, count, "xla", native_block_scaling))
     elif instr["opcode"] == "fusion" and (callee := _attr(instr["attrs"], "calls")):
       for product, by_name in _products(computations, callee.lstrip("%")):
-        records.append(_record(product, by_name, instr, count, backend))
+        records.append(_record(product, by_name, instr, count, backend, native_block_scaling))
   return records
 
 

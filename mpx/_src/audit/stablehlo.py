@@ -30,6 +30,7 @@ _INTERNAL_SCOPES = frozenset(
     "branch",
     "checkpoint",
     "closed_call",
+    "composite",
     "cond",
     "core_call",
     "custom_jvp_call",
@@ -203,6 +204,9 @@ def _walk(op: Any, repeats: int = 1) -> Iterator[tuple[Any, int]]:
         yield from _walk(child, inner)
 
 
+_CALLS = {"func.call": "callee", "stablehlo.composite": "decomposition"}
+
+
 def _attributes(op: Any) -> dict[str, str]:
   return {op.attributes[i].name: str(op.attributes[i].attr) for i in range(len(op.attributes))}
 
@@ -214,14 +218,18 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
     func = func.operation
     if func.name == "func.func":
       functions[_attributes(func)["sym_name"].strip('"')] = list(_walk(func))
-  # Private functions carry name stacks relative to their call site.
+  # Private functions carry name stacks relative to their call site. A composite
+  # (jax.lax.scaled_dot's "xla.scaled_dot") calls its decomposition likewise.
   callers: dict[str, list[tuple[str, str, int]]] = {name: [] for name in functions}
+  composites: dict[str, list[tuple[str, str, int]]] = {}
   for caller, ops in functions.items():
     for op, repeats in ops:
-      if op.name == "func.call":
-        callee = _attributes(op)["callee"].lstrip("@")
+      if op.name in _CALLS:
+        callee = _attributes(op)[_CALLS[op.name]].strip('"').lstrip("@")
         site = (caller, _location_name(str(op.location)), repeats)
         callers.setdefault(callee, []).append(site)
+        if op.name == "stablehlo.composite":
+          composites.setdefault(callee, []).append(site)
   prefix: dict[str, str] = {}
   count: dict[str, int] = {}
 
@@ -241,12 +249,26 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
   records = []
   for func, ops in functions.items():
     resolve(func)
+    # A function called from several places counts once, under its first caller's
+    # name; a composite's decomposition (one per shape, shared by every layer of that
+    # shape) counts once per call site, under each site's name.
+    sites = [(prefix[func], count[func])]
+    if func in composites:
+      for caller, _, _ in composites[func]:
+        resolve(caller)
+      sites = [
+        ("/".join(p for p in (prefix[caller], call_name) if p), count[caller] * repeats)
+        for caller, call_name, repeats in composites[func]
+      ]
     for op, repeats in ops:
       if op.name not in names:
         continue
       location = str(op.location)
-      name = "/".join(p for p in (prefix[func], _location_name(location)) if p)
-      records.append({"op": op, "name": name, "location": location, "count": count[func] * repeats})
+      for site_prefix, site_count in sites:
+        name = "/".join(p for p in (site_prefix, _location_name(location)) if p)
+        records.append(
+          {"op": op, "name": name, "location": location, "count": site_count * repeats}
+        )
   return records
 
 

@@ -35,7 +35,10 @@ class TargetGemm:
     kernel: the name of the kernel's instruction in the compiled HLO.
     backend: ``"triton"`` (a Triton GEMM fusion), ``"cublas"``,
       ``"cublaslt"``, ``"cudnn"`` or ``"xla"`` (XLA's own emitter).
-    kind: ``"dot"`` or ``"convolution"``.
+    kind: ``"dot"``, ``"convolution"`` or ``"scaled-dot"`` (a block-scaled
+      product, ``jax.lax.scaled_dot``: float8 with an MX scale per block of
+      32 on Blackwell; before it, Triton multiplies the dequantised blocks in
+      bfloat16, and the dtypes say so).
     lhs_dtype: the left operand's dtype as the kernel multiplies it, after the
       conversions XLA fused into the kernel.
     rhs_dtype: the right operand's dtype, likewise.
@@ -335,7 +338,7 @@ def audit_target(
   lowered: Any = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
   compiled = lowered.compile()
   text = compiled.as_text()
-  gemms = [TargetGemm(**g) for g in hlo.gemms(text)]
+  gemms = [TargetGemm(**g) for g in hlo.gemms(text, native_block_scaling=target_.block_scaled_mma)]
   stats = compiled.memory_analysis()
   intended = intended_audit(lowered)
   lost = _intent_lost(intended, gemms, str(target_))

@@ -49,6 +49,19 @@ class Target:
     """The number of GPUs."""
     return self.hosts * self.gpus_per_host
 
+  @property
+  def compute_capability(self) -> tuple[int, int]:
+    """The GPU's CUDA compute capability, from its target spec (``(9, 0)`` for an H100)."""
+    spec = spec_text(self.gpu)
+    block = re.search(r"cuda_compute_capability\s*\{([^}]*)\}", spec)
+    fields = dict(re.findall(r"(major|minor):\s*(\d+)", block.group(1) if block else ""))
+    return int(fields.get("major", 0)), int(fields.get("minor", 0))
+
+  @property
+  def block_scaled_mma(self) -> bool:
+    """Whether the GPU's Tensor Cores multiply MX block-scaled float8 (Blackwell, compute 10+)."""
+    return self.compute_capability >= (10, 0)
+
   def __str__(self) -> str:
     hosts = f"{self.hosts}x" if self.hosts > 1 else ""
     gpus = f"x{self.gpus_per_host}" if self.gpus_per_host > 1 else ""

@@ -37,10 +37,7 @@ def main() -> None:
   args = parser.parse_args()
 
   local_devices = 2 if args.num_processes > 1 else 4
-  # LLVM optimisations off, as conftest.py sets them for the suite: a third less compile time.
-  os.environ["XLA_FLAGS"] = (
-    f"--xla_force_host_platform_device_count={local_devices} --xla_backend_optimization_level=0"
-  )
+  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
   import jax
 
   jax.config.update("jax_platforms", "cpu")

@@ -180,7 +180,9 @@ def test_train_step_runs_every_product_in_half_precision(setup, policy):
 # mixed_bfloat16 training tracks float32 training.
 # ---------------------------------------------------------------------------
 
-STEPS = 150
+# 100 steps: the last-window means over the first loss are 0.52 (linen decoder), 0.50 (NNX
+# decoder) and 0.13 (ResNet), under LEARNED; bfloat16 and float32 differ by under 0.001.
+STEPS = 100
 WINDOW = 30  # The losses compared are means over the last WINDOW steps.
 # |mean bf16 loss - mean f32 loss| over the last WINDOW steps must stay below
 # ABS_TOL + REL_TOL * mean f32 loss; both runs must also learn (the final loss

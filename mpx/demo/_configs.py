@@ -149,11 +149,16 @@ FP8_CONFIGS = tuple(
     "dynamic",
     True,
     "f32 params, fp8 matmuls",
-    f"mixed_bfloat16 with the dense matmuls in float8 (E4M3 forward, E5M2 gradients), {scaling} "
-    "scaling; the logits projection stays bfloat16",
+    f"mixed_bfloat16 with the dense matmuls in float8 ({formats}), {scaling} scaling; the "
+    "logits projection stays bfloat16",
   )
-  for scaling, policy in (("current", "mixed_float8"), ("delayed", "mixed_float8_delayed"))
+  for scaling, policy, formats in (
+    ("current", "mixed_float8", "E4M3 forward, E5M2 gradients"),
+    ("delayed", "mixed_float8_delayed", "E4M3 forward, E5M2 gradients"),
+    ("rowwise", "mixed_float8_rowwise", "E4M3, a scale per row"),
+    ("mxfp8", "mixed_mxfp8", "E4M3, a scale per block of 32"),
+  )
 )
-"""Opt-in configurations (``--configs``): ``mixed_bfloat16`` with float8 matmuls, both recipes."""
+"""Opt-in configurations (``--configs``): ``mixed_bfloat16`` with float8 matmuls, one per recipe."""
 
 BY_NAME = {config.name: config for config in (*CONFIGS, *EXTRA_CONFIGS, *FP8_CONFIGS)}

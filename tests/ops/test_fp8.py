@@ -882,7 +882,7 @@ print("ok")
 def test_sharded_jit_reduces_the_amax_over_all_devices():
   env = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
     "JAX_PLATFORMS": "cpu",
     "PYTHONPATH": os.pathsep.join(
       [str(pathlib.Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]

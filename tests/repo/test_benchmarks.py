@@ -6,22 +6,18 @@
 * ``benchmarks/run.py``: the saved-residual and convert counts it reports,
   the GPU GEMM listing on a GPU HLO text, the lean norms' residual targets on
   the small models, and the whole ``--smoke`` run in a subprocess;
-* ``benchmarks/run.py --target``: the roofline model and the table of
-  ``_target.py`` on a made-up report, and ``--target h100 --smoke`` /
-  ``--target h100x8 --smoke`` in a subprocess (compiled for the GPU without
-  one; skipped without jax's CUDA plugin).
+* ``benchmarks/run.py --target`` and ``loss_scale_kernels.py``: in
+  ``test_benchmarks_target.py`` (a file of their own, so that pytest-xdist's
+  ``--dist loadfile`` runs them beside these).
 
 No timing assertions: speed figures live in the benchmarks' own output.
 """
 
 import dataclasses
 import json
-import os
 import pathlib
-import re
 import subprocess
 import sys
-import types
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +30,7 @@ import _gpu
 import _loss_scale_steps as steps
 import _measure
 import _setups
-import _target
 import loss_scale_overhead as bench
-
-from mpx._src.audit import targets
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -295,172 +288,3 @@ def test_run_smoke(tmp_path):
     if row["config"] == "f32_highest":
       assert row["audit"]["tf32_matmuls"] == 0
   assert "GPU figures: not measured" in proc.stdout
-
-
-# ------------------------------------------------------------- run.py --target
-
-
-def _gemm(kernel, flops, dtype):
-  dt = np.dtype(dtype)
-  half = dt.itemsize <= 2
-  return types.SimpleNamespace(
-    kernel=kernel, flops=flops, dtypes=(dt, dt), is_half=half, is_fp8=dt.itemsize == 1
-  )
-
-
-def test_roofline_takes_the_slower_of_flops_and_bytes_per_kernel():
-  bandwidth = _target.memory_bandwidth("h100")
-  assert bandwidth == 3352320000000.0
-  report = types.SimpleNamespace(
-    device_kind="NVIDIA H100 80GB HBM3",
-    gemms=[_gemm("gemm_a", 989e9, jnp.bfloat16), _gemm("gemm_b", 494.7e9, np.float32)],
-    kernels=[
-      # 1 ms of bfloat16 FLOPs against a few bytes: compute-bound.
-      {"name": "gemm_a", "count": 1, "bytes": 1000},
-      # 1 ms of TF32 FLOPs, run twice by a loop (FLOPs are per run already), 4 ms of bytes.
-      {"name": "gemm_b", "count": 2, "bytes": int(2e-3 * bandwidth)},
-      # an elementwise kernel: bytes only, 3 ms.
-      {"name": "loop_fusion", "count": 3, "bytes": int(1e-3 * bandwidth)},
-    ],
-  )
-  roof = _target.roofline(report, "f32", "h100")
-  assert roof["compute_bound_ms"] == pytest.approx(1.0)
-  assert roof["memory_bound_ms"] == pytest.approx(7.0)
-  assert roof["gemm_ms"] == pytest.approx(5.0)
-  assert roof["ms"] == pytest.approx(8.0)
-  assert "not a measurement" in roof["note"]
-  # f32_highest: float32 operands at the float32 peak (66.9 TFLOP/s), not TF32.
-  highest = _target.roofline(report, "f32_highest", "h100")
-  assert highest["compute_bound_ms"] == pytest.approx(1.0 + 494.7 / 66.9 * 1e3 / 1e3)
-  report.device_kind = "an unknown GPU"
-  assert _target.roofline(report, "f32", "h100") is None
-
-
-def test_target_table_cells():
-  row = {
-    "gemms": [
-      {"backend": "triton", "kind": "dot", "lhs": "bfloat16", "rhs": "bfloat16", "count": 3},
-      {"backend": "cudnn", "kind": "convolution", "lhs": "float16", "rhs": "float32", "count": 1},
-    ],
-    "collectives": [{"kind": "all-reduce", "dtype": "float32", "count": 2, "bytes": 3 * 2**20}],
-  }
-  assert _target.gemm_cell(row) == "3 triton bf16, 1 cudnn conv f16xf32"
-  assert _target.collective_cell(row) == "2 all-reduce f32 3.0 MiB"
-
-
-needs_plugin = pytest.mark.skipif(
-  not targets.plugin_available(), reason="jax's CUDA plugin (the gpu-target extra) is missing"
-)
-TARGET_CONFIGS = ["f32", "mpx_f16"]  # float32 and a mixed step with loss scaling
-
-
-def _run_target(tmp_path, target, models, configs):
-  out = tmp_path / f"target_{target}.json"
-  proc = subprocess.run(
-    [
-      sys.executable,
-      str(ROOT / "benchmarks" / "run.py"),
-      "--target",
-      target,
-      "--smoke",
-      "--models",
-      *models,
-      "--configs",
-      *configs,
-      "--out",
-      str(out),
-    ],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=1800,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  report = json.loads(out.read_text())
-  assert [(r["model"], r["config"]) for r in report["rows"]] == [
-    (m, c) for m in models for c in configs
-  ]
-  assert not [r for r in report["rows"] if "error" in r]
-  assert "no GPU was used" in report["note"] and "not a measurement" in report["roofline_note"]
-  assert "roofline model, not a measurement" in proc.stdout
-  return report
-
-
-@needs_plugin
-def test_run_target_h100_smoke(tmp_path):
-  """``run.py --target h100 --smoke``: what the compiled H100 program multiplies, and its memory."""
-  report = _run_target(tmp_path, "h100", ["gpt2_linen", "resnet50"], TARGET_CONFIGS)
-  for row in report["rows"]:
-    assert row["target"] == "h100" and "H100" in row["device_kind"]
-    assert row["gemm_count"] > 0 and sum(g["count"] for g in row["gemms"]) == row["gemm_count"]
-    if row["config"] == "f32":
-      assert row["half_flops_share"] == 0.0 and row["float32_gemms"] == row["gemm_count"]
-      assert {(g["lhs"], g["rhs"]) for g in row["gemms"]} == {("float32", "float32")}
-    else:  # every product of a mixed configuration multiplies half-precision operands
-      assert row["half_flops_share"] == 1.0 and row["float32_gemms"] == 0, row["gemms"]
-    if row["model"] == "resnet50":
-      assert any(g["kind"] == "convolution" for g in row["gemms"])
-    assert row["fp8_flops_share"] == 0.0 and not row["lost"]
-    memory = row["memory"]
-    assert memory["argument_bytes"] > 0 and memory["temp_bytes"] > 0
-    assert memory["output_bytes"] > 0 and memory["alias_bytes"] > 0  # the carry is donated
-    assert row["kernel_count"] > row["gemm_count"] and row["bytes_moved"] > 0
-    assert row["collectives"] == []
-    assert row["roofline"]["ms"] > 0 and row["roofline"]["gemm_ms"] <= row["roofline"]["ms"]
-  by = {(r["model"], r["config"]): r for r in report["rows"]}
-  for model in ("gpt2_linen", "resnet50"):  # half-precision activations: less temp memory
-    assert by[model, "mpx_f16"]["memory"]["temp_bytes"] < by[model, "f32"]["memory"]["temp_bytes"]
-
-
-@needs_plugin
-def test_run_target_h100x8_smoke_has_the_gradient_all_reduce(tmp_path):
-  """``run.py --target h100x8 --smoke``: data-parallel, so the gradients are all-reduced."""
-  report = _run_target(tmp_path, "h100x8", ["gpt2_linen"], ["mpx_bf16"])
-  (row,) = report["rows"]
-  assert row["num_devices"] == 8 and row["batch_per_gpu"] == _gpt_smoke_batch()
-  all_reduce = [c for c in row["collectives"] if c["kind"] == "all-reduce"]
-  assert all_reduce and all(c["bytes"] > 0 and c["count"] > 0 for c in all_reduce)
-  # at least the gradients of every parameter (half precision or wider) cross the GPUs
-  assert sum(c["bytes"] for c in all_reduce) >= 2 * row["param_count"]
-  assert all(c["model_ms"] > 0 for c in all_reduce)
-  assert "all-reduce" in report["rows"][0]["summary"]
-
-
-def _gpt_smoke_batch():
-  import _gpt
-
-  return _gpt.GPTConfig.smoke().batch_size
-
-
-def test_docs_target_section_is_the_rendering_of_the_results():
-  """docs/benchmarks.md's H100 section is ``run.py --write-docs`` of the committed JSON, verbatim."""
-  results = ROOT / "benchmarks" / "results"
-  single = json.loads((results / "target_h100.json").read_text())
-  multi_path = results / "target_h100x8.json"
-  multi = json.loads(multi_path.read_text()) if multi_path.exists() else None
-  assert not single["smoke"] and single["target"] == "h100"
-  doc = (ROOT / "docs" / "benchmarks.md").read_text()
-  assert _target.docs_section(single, multi) in doc
-  for row in single["rows"]:
-    if row["config"] in _setups.MIXED:
-      assert row["half_flops_share"] == 1.0, (row["model"], row["config"])
-
-
-@needs_plugin
-def test_loss_scale_kernels_smoke():
-  """``loss_scale_kernels.py --smoke``: the kernels dynamic loss scaling adds, on the H100 program."""
-  proc = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / "loss_scale_kernels.py"), "--smoke"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=1200,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  summaries = re.findall(r"vs (.+?): ([+-]\d+) kernels", proc.stdout)
-  assert [label for label, _ in summaries] == ["mpx_f16 without loss scaling", "mpx_bf16"]
-  assert all(int(n) > 0 for _, n in summaries)  # the check and the state update are kernels
-  assert "reduce_and" in proc.stdout  # the finite check, listed by op name
-  assert "while" not in proc.stdout  # the leaf index needs no loop

@@ -8,6 +8,7 @@ the fused computations those kernels call, with the dtypes they multiply in.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from typing import Any
@@ -122,6 +123,7 @@ def _instruction(line: str) -> dict[str, Any] | None:
   }
 
 
+@functools.lru_cache(maxsize=2)  # every reading of one program parses it once
 def parse(text: str) -> tuple[dict[str, list[dict[str, Any]]], str]:
   """Splits an HLO module's text into computations.
 
@@ -129,7 +131,8 @@ def parse(text: str) -> tuple[dict[str, list[dict[str, Any]]], str]:
     text: ``compiled.as_text()``.
 
   Returns:
-    ``({computation name: its instructions}, the entry computation's name)``.
+    ``({computation name: its instructions}, the entry computation's name)``;
+    shared between calls with the same text, so not to be modified.
   """
   computations: dict[str, list[dict[str, Any]]] = {}
   entry, current = "", None

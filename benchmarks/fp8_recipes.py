@@ -1,0 +1,171 @@
+"""The float8 recipes on the GPU program: GEMM dtypes, fp8 share, memory and kernels, and SQNR.
+
+For each recipe, compiles (never runs) the train-step gradient of a 4-layer MLP (``--batch`` x
+``--width``, GELU between layers, every layer covered by the policy) for its GPU with
+``mpx.audit(..., target=...)``: the per-tensor and rowwise recipes for an H100, MXFP8 for a B200
+(Blackwell multiplies its blocks natively; on an H100 Triton dequantises them to bfloat16), each
+beside ``mixed_bfloat16`` on the same GPU. Deviceless compilation: XLA's default kernel configs,
+no autotuning. Then the SQNR against float32 of one layer's output and both gradients, on CPU,
+on activations with outlier tokens and channels (torchao's criterion). Needs the ``gpu-target``
+extra; prints a table and writes ``results/fp8_recipes[_smoke].json``.
+
+Usage::
+
+  JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py [--smoke]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import mpx
+
+RECIPES = {
+  "mixed_float8": "h100",
+  "mixed_float8_delayed": "h100",
+  "mixed_float8_rowwise": "h100",
+  "mixed_mxfp8": "b200",
+}
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+
+
+class Mlp(nn.Module):
+  width: int
+
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = nn.gelu(nn.Dense(self.width)(x))
+    return nn.Dense(self.width)(x)
+
+
+def target_row(policy: str, target: str, batch: int, width: int) -> dict:
+  model = mpx.linen.apply_policy(Mlp(width), policy)
+  x = jax.ShapeDtypeStruct((batch, width), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def step(variables, x):
+    return jax.grad(lambda v: jnp.mean(jnp.square(model.apply(v, x))))(variables)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", mpx.PrecisionWarning)  # reported in "lost"
+    report = mpx.audit(step, variables, x, target=target)
+  return {
+    "policy": policy,
+    "target": target,
+    "gemms": len(report.gemms),
+    "gemm_dtypes": sorted(
+      {f"{g.kind} {a.name} x {b.name}" for g in report.gemms for a, b in [g.dtypes]}
+    ),
+    "fp8_flops_share": report.fp8_flops_share,
+    "temp_bytes": report.memory.temp_bytes,
+    "kernel_count": report.kernel_count,
+    "bytes_moved": report.bytes_moved,
+    "lost": list(report.lost),
+  }
+
+
+def _sqnr(x, reference) -> float:
+  x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
+  return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))
+
+
+def _with_outliers(rng, shape, scale, rows, columns):
+  x = rng.standard_normal(shape) * scale
+  x[rng.choice(shape[0], 4, replace=False)] *= rows
+  x[:, rng.choice(shape[1], 4, replace=False)] *= columns
+  return x.astype(np.float32)
+
+
+def sqnr_row(policy: str, size: int) -> dict:
+  """SQNR (dB) of one dense layer's output and gradients against float32, on CPU."""
+  rng = np.random.default_rng(11)
+  x = _with_outliers(rng, (size, 2 * size), 1.0, 50.0, 20.0)
+  w = (rng.standard_normal((2 * size, size)) * 0.02).astype(np.float32)
+  g = _with_outliers(rng, (size, size), 1e-3, 30.0, 1.0)
+  recipe = mpx.get_policy(policy).fp8
+  dims = (((1,), (0,)), ((), ()))
+  histories = None
+  if recipe.delayed:  # the first step: an empty history takes the current amax
+    histories = tuple(jnp.zeros(recipe.history_length + 1, jnp.float32) for _ in range(3))
+
+  def fp8(a, b):
+    a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+    out = mpx.fp8.fp8_dot_general(a, b, dims, recipe=recipe, state=histories)
+    return out.astype(jnp.float32)
+
+  def exact(a, b):
+    return jax.lax.dot_general(a, b, dims, precision="highest")
+
+  results = []
+  for f in (fp8, exact):
+    out, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
+    results.append((out, *pullback(jnp.asarray(g))))
+  names = ("output", "input_grad", "weight_grad")
+  return {n: _sqnr(a, b) for n, a, b in zip(names, *results, strict=True)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=4096)
+  parser.add_argument("--width", type=int, default=1024)
+  parser.add_argument("--smoke", action="store_true", help="a 256 x 256 MLP")
+  args = parser.parse_args()
+  batch, width = (256, 256) if args.smoke else (args.batch, args.width)
+  rows, baselines = [], {}
+  for policy, target in RECIPES.items():
+    if target not in baselines:
+      baselines[target] = target_row("mixed_bfloat16", target, batch, width)
+    row = target_row(policy, target, batch, width)
+    row["temp_vs_bf16"] = row["temp_bytes"] / baselines[target]["temp_bytes"]
+    row["sqnr_db"] = sqnr_row(policy, 128 if args.smoke else 256)
+    rows.append(row)
+  print(f"4-layer MLP {batch} x {width}, compiled for the GPU (no GPU; no autotuning)")
+  print(
+    "| policy | target | GEMMs (kind, operands as multiplied) | fp8 share | temp MiB (x bf16) "
+    "| kernels | SQNR dB out / dx / dw |"
+  )
+  print("|---|---|---|---:|---:|---:|---:|")
+  for target, base in baselines.items():
+    print(
+      f"| mixed_bfloat16 | {target} | {', '.join(base['gemm_dtypes'])} | "
+      f"{base['fp8_flops_share']:.2f} | {base['temp_bytes'] / 2**20:.1f} | {base['kernel_count']} | |"
+    )
+  for r in rows:
+    s = r["sqnr_db"]
+    print(
+      f"| {r['policy']} | {r['target']} | {', '.join(r['gemm_dtypes'])} | {r['fp8_flops_share']:.2f} | "
+      f"{r['temp_bytes'] / 2**20:.1f} ({r['temp_vs_bf16']:.2f}) | {r['kernel_count']} | "
+      f"{s['output']:.1f} / {s['input_grad']:.1f} / {s['weight_grad']:.1f} |"
+    )
+  out = RESULTS / f"fp8_recipes{'_smoke' if args.smoke else ''}.json"
+  out.write_text(
+    json.dumps(
+      {
+        "command": "JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py"
+        + (" --smoke" if args.smoke else ""),
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "mlp": {"batch": batch, "width": width, "layers": 4},
+        "note": "compiled for the GPU without one: XLA's default kernel configs, no autotuning",
+        "baselines": baselines,
+        "rows": rows,
+      },
+      indent=2,
+    )
+    + "\n"
+  )
+  print(f"JSON: {out}")
+
+
+if __name__ == "__main__":
+  main()

@@ -14,6 +14,7 @@ from typing import Any
 from mpx._src import errors
 
 _SCALINGS = ("current", "delayed", "rowwise", "mxfp8")
+_KEEP_BACKWARD = ("none", "weight_grad", "all")
 _REDUCTIONS = ("max", "most_recent")
 
 
@@ -70,10 +71,17 @@ class Fp8Recipe:
       says (their operands are activations, fresh each call). Needs
       ``KeepRules.softmax_in_float32`` (mpx's attention function); the
       softmax between them stays float32.
+    keep_backward: ``"none"`` (both backward products in float8),
+      ``"weight_grad"`` (the weight gradient in the compute dtype, the input
+      gradient in float8) or ``"all"`` (both in the compute dtype): a kept
+      product multiplies the saved float8 operands, dequantised, by the
+      unquantised gradient. Per layer, with a keep rule:
+      ``KeepRules().with_path("^head$", "p=f32,c=bf16,o=f32,fp8=current:keep_backward=all")``.
+      Not for MXFP8.
 
   Raises:
-    PolicyError: an unknown scaling or reduction, a history length below 1,
-      or a negative margin.
+    PolicyError: an unknown scaling, reduction or ``keep_backward``, a
+      history length below 1, or a negative margin.
 
   Example:
     >>> import mpx
@@ -87,6 +95,7 @@ class Fp8Recipe:
   margin: int = 0
   axis_name: str | None = None
   attention: bool = False
+  keep_backward: str = "none"
 
   def __post_init__(self) -> None:
     for name in ("history_length", "margin"):
@@ -115,6 +124,16 @@ class Fp8Recipe:
       )
     if self.margin < 0:
       raise errors.PolicyError(f"margin must be a non-negative power of two, got {self.margin}.")
+    if self.keep_backward not in _KEEP_BACKWARD:
+      raise errors.PolicyError(
+        f"Unknown keep_backward {self.keep_backward!r}; write 'none' (backward products in "
+        "float8), 'weight_grad' (the weight gradient in the compute dtype) or 'all'."
+      )
+    if self.keep_backward != "none" and self.scaling == "mxfp8":
+      raise errors.PolicyError(
+        "keep_backward applies to the per-tensor and rowwise recipes, not to 'mxfp8' (its saved "
+        "operands are blocked for the float8 backward products); use keep_backward='none'."
+      )
 
   @property
   def delayed(self) -> bool:
@@ -143,6 +162,7 @@ class Fp8Recipe:
     parts += [f"margin={self.margin}"] if self.margin else []
     parts += [f"axis={self.axis_name}"] if self.axis_name else []
     parts += ["attention"] if self.attention else []
+    parts += [f"keep_backward={self.keep_backward}"] if self.keep_backward != "none" else []
     return ":".join(parts)
 
   def for_attention(self) -> Fp8Recipe:
@@ -151,11 +171,13 @@ class Fp8Recipe:
     return dataclasses.replace(self, scaling=scaling, attention=False)
 
 
-_RECIPE_KEYS = {"history": "history_length", "reduction": "reduction", "margin": "margin"}
+_RECIPE_KEYS = {"history": "history_length", "margin": "margin"}
+_WORD_KEYS = {"reduction": "reduction", "keep_backward": "keep_backward"}
 _AXIS_NAME = r"[A-Za-z0-9_.\-]+"
 _RECIPE_FORM = (
-  "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention' "
-  "(every part optional), or 'current', 'rowwise' or 'mxfp8' (with margin, axis, attention)"
+  "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention:"
+  "keep_backward=<none|weight_grad|all>' (every part optional), or 'current', 'rowwise' or "
+  "'mxfp8' (with margin, axis, attention, keep_backward)"
 )
 
 
@@ -191,7 +213,7 @@ def parse_recipe(spec: str) -> Fp8Recipe:
     key = key.lower()
     if key == "attention" and not sep:
       fields["attention"] = True
-    elif not sep or key not in (*_RECIPE_KEYS, "axis"):
+    elif not sep or key not in (*_RECIPE_KEYS, *_WORD_KEYS, "axis"):
       raise errors.PolicyError(
         f"Cannot parse {part!r} in the fp8 recipe {spec!r}: write {_RECIPE_FORM}."
       )
@@ -202,8 +224,8 @@ def parse_recipe(spec: str) -> Fp8Recipe:
           "digits, '_', '-' or '.', e.g. 'axis=data'."
         )
       fields["axis_name"] = value
-    elif key == "reduction":
-      fields["reduction"] = value.lower()
+    elif key in _WORD_KEYS:
+      fields[_WORD_KEYS[key]] = value.lower()
     elif re.fullmatch(r"[+-]?\d+", value):
       fields[_RECIPE_KEYS[key]] = int(value)
     else:

@@ -294,6 +294,48 @@ def test_mxfp8_forward_and_backward_match_a_numpy_reference(m, k, n):
   assert np.count_nonzero(np.asarray(out)) == out.size
 
 
+@pytest.mark.parametrize("scaling", ["current", "rowwise"])
+@pytest.mark.parametrize("keep", ["weight_grad", "all"])
+def test_kept_backward_products_multiply_the_dequantised_operands_in_bfloat16(keep, scaling):
+  lhs, rhs = _operands()
+  g = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)) * 1e-6, jnp.bfloat16)
+  kept = mpx.Fp8Recipe(scaling, keep_backward=keep)
+  out, pullback = jax.vjp(lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=kept), lhs, rhs)
+  ga, gb = pullback(g)
+  full_out, full_pullback = jax.vjp(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=mpx.Fp8Recipe(scaling)), lhs, rhs
+  )
+  fp8_ga, _ = full_pullback(g)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(full_out))  # the forward is float8
+  # The reference: the saved float8 operands, dequantised, times the bfloat16 gradient.
+  a = jnp.asarray(
+    _qdq_np(lhs, ml_dtypes.float8_e4m3fn) if scaling == "current" else _rows_qdq(lhs, 1)[0],
+    jnp.bfloat16,
+  )
+  b = jnp.asarray(
+    _qdq_np(rhs, ml_dtypes.float8_e4m3fn) if scaling == "current" else _rows_qdq(rhs, 0)[0],
+    jnp.bfloat16,
+  )
+  _, reference = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, DIMS), a, b)
+  want_ga, want_gb = reference(g)
+  np.testing.assert_array_equal(np.asarray(gb), np.asarray(want_gb))
+  if keep == "all":
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(want_ga))
+  else:  # the input gradient stays a float8 product: the tiny gradient rounds in E5M2 / E4M3
+    np.testing.assert_array_equal(np.asarray(ga), np.asarray(fp8_ga))
+    assert not np.array_equal(np.asarray(ga), np.asarray(want_ga))
+
+
+def test_keep_backward_round_trips_and_rejects_mxfp8():
+  policy = mpx.get_policy("p=f32,c=bf16,o=f32,fp8=rowwise:keep_backward=weight_grad")
+  assert policy.fp8 == mpx.Fp8Recipe("rowwise", keep_backward="weight_grad")
+  assert mpx.get_policy(str(policy)) == policy
+  with pytest.raises(mpx.PolicyError, match="Unknown keep_backward 'wgrad'"):
+    mpx.Fp8Recipe("current", keep_backward="wgrad")
+  with pytest.raises(mpx.PolicyError, match="not to 'mxfp8'"):
+    mpx.get_policy("p=f32,c=bf16,fp8=mxfp8:keep_backward=all")
+
+
 def _sqnr(x, reference) -> float:
   x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
   return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))

@@ -136,3 +136,21 @@ def test_mxfp8_on_an_h100_is_reported_as_bfloat16():
     report = report_lib.audit(step, variables, x, target="h100")
   assert report.fp8_flops_share == 0.0 and report.intended.fp8_flops_share == 1.0
   assert len(report.lost) == 8  # every layer, forward and backward
+
+
+def test_a_keep_rule_puts_one_layers_backward_in_bfloat16():
+  # The head's backward products in bfloat16 (a per-layer keep rule), every other product float8.
+  rules = mpx.KeepRules().with_path("head$", "p=f32,c=bf16,o=f32,fp8=current:keep_backward=all")
+  model = mpx.linen.apply_policy(LinenMlp(256), "mixed_float8", rules=rules)
+  x = jax.ShapeDtypeStruct((256, 256), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def step(variables, x):
+    return jax.grad(lambda v: jnp.mean(jnp.square(model.apply(v, x))))(variables)
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", mpx.PrecisionWarning)
+    report = report_lib.audit(step, variables, x, target="h100")
+  kept = {g for g in report.gemms if g.module_path.startswith("LinenMlp/head") and g.is_backward}
+  assert len(kept) == 2 and all(g.is_half and not g.is_fp8 for g in kept)
+  assert all(g.is_fp8 for g in report.gemms if g not in kept) and len(report.gemms) == 11

@@ -355,18 +355,53 @@ def _fp8_dot_bwd(
     lhs_in_g = _in_output_layout(lhs_scale, lhs_q.ndim, lc, lb, 0, rhs_free)
     g_b, g_b_scale = _rowwise(g32 * lhs_in_g, E4M3, g_over_lhs_free, recipe)
     gb = _scaled_dot(lhs_q, one, g_b, g_b_scale, rhs_dims, precision, rhs_dtype)
-    return jnp.transpose(ga, lhs_perm), jnp.transpose(gb, rhs_perm), None
+    ga, gb = _kept(
+      recipe, residuals, dtypes, dimension_numbers, precision, g, ga, gb, lhs_perm, rhs_perm
+    )
+    return ga, gb, None
   g_amax = amax(g, recipe.axis_name)
   histories = None if states is None else states[2:]
   (g_scale,) = _scales(recipe, histories, [g], [g_amax], E5M2)
   g_q = quantize(g, E5M2, g_scale)
   ga = _scaled_dot(g_q, g_scale, rhs_q, rhs_scale, lhs_dims, precision, lhs_dtype)
   gb = _scaled_dot(lhs_q, lhs_scale, g_q, g_scale, rhs_dims, precision, rhs_dtype)
-  ga, gb = jnp.transpose(ga, lhs_perm), jnp.transpose(gb, rhs_perm)
+  ga, gb = _kept(
+    recipe, residuals, dtypes, dimension_numbers, precision, g, ga, gb, lhs_perm, rhs_perm
+  )
   if states is None:
     return ga, gb, None
   observed = [*amaxes, g_amax]
   return ga, gb, tuple(_observed(h, v) for h, v in zip(states, observed, strict=True))
+
+
+def _kept(
+  recipe: Fp8Recipe,
+  residuals: Any,
+  dtypes: tuple[np.dtype, np.dtype, np.dtype],
+  dimension_numbers: Any,
+  precision: Any,
+  g: jax.Array,
+  ga: jax.Array,
+  gb: jax.Array,
+  lhs_perm: tuple[int, ...],
+  rhs_perm: tuple[int, ...],
+) -> tuple[jax.Array, jax.Array]:
+  """The two gradients (float8 products ``ga``, ``gb`` laid out as products), with those the recipe keeps in the compute dtype.
+
+  A kept product multiplies the dequantised saved operands (their float8
+  values, exact in the compute dtype) by the unquantised gradient, as the
+  layer would without float8; XLA drops the float8 product it replaces.
+  """
+  ga, gb = jnp.transpose(ga, lhs_perm), jnp.transpose(gb, rhs_perm)
+  if recipe.keep_backward == "none":
+    return ga, gb
+  lhs_q, rhs_q, lhs_scale, rhs_scale = residuals[:4]
+  a, b = dequantize(lhs_q, lhs_scale, dtypes[0]), dequantize(rhs_q, rhs_scale, dtypes[1])
+  product, pullback = jax.vjp(
+    lambda a, b: jax.lax.dot_general(a, b, dimension_numbers, precision=precision), a, b
+  )
+  kept_ga, kept_gb = pullback(g.astype(product.dtype))
+  return (ga if recipe.keep_backward == "weight_grad" else kept_ga), kept_gb
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

@@ -179,11 +179,10 @@ def test_docs_target_section_is_the_rendering_of_the_results():
       assert row["half_flops_share"] == 1.0, (row["model"], row["config"])
 
 
-@needs_plugin
-def test_loss_scale_kernels_smoke():
-  """``loss_scale_kernels.py --smoke``: the kernels dynamic loss scaling adds, on the H100 program."""
+def _smoke(script):
+  """Runs ``benchmarks/<script> --smoke`` on CPU; its completed process, having succeeded."""
   proc = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / "loss_scale_kernels.py"), "--smoke"],
+    [sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
     capture_output=True,
     text=True,
     cwd=ROOT,
@@ -191,6 +190,13 @@ def test_loss_scale_kernels_smoke():
     env={**os.environ, "JAX_PLATFORMS": "cpu"},
   )
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc
+
+
+@needs_plugin
+def test_loss_scale_kernels_smoke():
+  """``loss_scale_kernels.py --smoke``: the kernels dynamic loss scaling adds, on the H100 program."""
+  proc = _smoke("loss_scale_kernels.py")
   summaries = re.findall(r"vs (.+?): ([+-]\d+) kernels", proc.stdout)
   assert [label for label, _ in summaries] == ["mpx_f16 without loss scaling", "mpx_bf16"]
   assert all(int(n) > 0 for _, n in summaries)  # the check and the state update are kernels
@@ -201,15 +207,7 @@ def test_loss_scale_kernels_smoke():
 @needs_plugin
 def test_fp8_recipes_smoke():
   """``fp8_recipes.py --smoke``: every recipe's GEMMs are float8 on its GPU, SQNR above 20 dB."""
-  proc = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / "fp8_recipes.py"), "--smoke"],
-    capture_output=True,
-    text=True,
-    cwd=ROOT,
-    timeout=1200,
-    env={**os.environ, "JAX_PLATFORMS": "cpu"},
-  )
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  proc = _smoke("fp8_recipes.py")
   report = json.loads((ROOT / "benchmarks" / "results" / "fp8_recipes_smoke.json").read_text())
   assert [r["policy"] for r in report["rows"]] == [
     "mixed_float8",

@@ -160,6 +160,17 @@ def _qdq_np(x, ml_dtype) -> np.ndarray:
   return _reference(x / scale, ml_dtype) * scale
 
 
+def _product_and_gradients(f, lhs, rhs, g):
+  """``(f(lhs, rhs), *its vjp at g)``, compiled once (op by op, the float8 casts compile slowly)."""
+
+  @jax.jit
+  def run(lhs, rhs, g):
+    out, pullback = jax.vjp(f, lhs, rhs)
+    return (out, *pullback(g))
+
+  return run(jnp.asarray(lhs), jnp.asarray(rhs), jnp.asarray(g))
+
+
 def test_fp8_dot_general_forward_and_backward_use_float8_operands():
   lhs, rhs = _operands()
   g = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)) * 1e-6, jnp.bfloat16)
@@ -198,9 +209,11 @@ def test_fp8_dot_general_handles_batch_and_several_contracting_axes(lhs_shape, r
   rng = np.random.default_rng(7)
   lhs = jnp.asarray(rng.standard_normal(lhs_shape) * 3, jnp.float32)
   rhs = jnp.asarray(rng.standard_normal(rhs_shape) * 0.1, jnp.float32)
-  out, pullback = jax.vjp(lambda a, b: mpx.fp8.fp8_dot_general(a, b, dims), lhs, rhs)
-  g = jnp.asarray(rng.standard_normal(out.shape) * 1e-3, jnp.float32)
-  ga, gb = pullback(g)
+  out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), lhs, rhs).shape
+  g = jnp.asarray(rng.standard_normal(out_shape) * 1e-3, jnp.float32)
+  out, ga, gb = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, dims), lhs, rhs, g
+  )
   # The reference: float64 products of the float8-rounded operands and gradient, with
   # the plain dot_general's own transposes.
   a, b = _qdq_np(lhs, ml_dtypes.float8_e4m3fn), _qdq_np(rhs, ml_dtypes.float8_e4m3fn)
@@ -231,12 +244,9 @@ def test_rowwise_forward_and_backward_match_a_numpy_reference():
   rhs = rng.standard_normal((64, 8)).astype(np.float32) * np.exp2(rng.integers(-12, 12, (1, 8)))
   g = rng.standard_normal((16, 8)).astype(np.float32) * 1e-4
   recipe = mpx.Fp8Recipe("rowwise")
-  out, pullback = jax.vjp(
-    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe),
-    jnp.asarray(lhs),
-    jnp.asarray(rhs),
+  out, ga, gb = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe), lhs, rhs, g
   )
-  ga, gb = pullback(jnp.asarray(g))
   # Forward: a scale per row of lhs (over its contracted columns), per column of rhs.
   a, a_scale = _rows_qdq(lhs, 1)
   b, b_scale = _rows_qdq(rhs, 0)
@@ -274,12 +284,9 @@ def test_mxfp8_forward_and_backward_match_a_numpy_reference(m, k, n):
   lhs, rhs = lhs.astype(np.float32), rhs.astype(np.float32)
   g = (rng.standard_normal((m, n)) * 1e-4).astype(np.float32)
   recipe = mpx.Fp8Recipe("mxfp8")
-  out, pullback = jax.vjp(
-    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe),
-    jnp.asarray(lhs),
-    jnp.asarray(rhs),
+  out, ga, gb = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe), lhs, rhs, g
   )
-  ga, gb = pullback(jnp.asarray(g))
   # Each product's operands in blocks of 32 along the axis it contracts.
   products = (
     (out, _blocks_qdq(lhs, 1), _blocks_qdq(rhs, 0)),
@@ -300,12 +307,12 @@ def test_kept_backward_products_multiply_the_dequantised_operands_in_bfloat16(ke
   lhs, rhs = _operands()
   g = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)) * 1e-6, jnp.bfloat16)
   kept = mpx.Fp8Recipe(scaling, keep_backward=keep)
-  out, pullback = jax.vjp(lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=kept), lhs, rhs)
-  ga, gb = pullback(g)
-  full_out, full_pullback = jax.vjp(
-    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=mpx.Fp8Recipe(scaling)), lhs, rhs
+  out, ga, gb = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=kept), lhs, rhs, g
   )
-  fp8_ga, _ = full_pullback(g)
+  full_out, fp8_ga, _ = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=mpx.Fp8Recipe(scaling)), lhs, rhs, g
+  )
   np.testing.assert_array_equal(np.asarray(out), np.asarray(full_out))  # the forward is float8
   # The reference: the saved float8 operands, dequantised, times the bfloat16 gradient.
   a = jnp.asarray(
@@ -370,10 +377,7 @@ def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(s
   def exact(a, b):
     return jax.lax.dot_general(a, b, DIMS, precision="highest")
 
-  results = []
-  for f in (fp8, exact):
-    out, pullback = jax.vjp(f, jnp.asarray(x), jnp.asarray(w))
-    results.append((out, *pullback(jnp.asarray(g))))
+  results = [_product_and_gradients(f, x, w, g) for f in (fp8, exact)]
   sqnrs = [_sqnr(got, want) for got, want in zip(*results, strict=True)]
   assert min(sqnrs) >= target, sqnrs
 

@@ -230,6 +230,27 @@ def test_fp8_dot_general_handles_batch_and_several_contracting_axes(lhs_shape, r
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-9)
 
 
+@pytest.mark.parametrize(
+  "lhs_shape,rhs_shape,dims,_", _GENERAL_DOTS, ids=[d[3] for d in _GENERAL_DOTS]
+)
+def test_mxfp8_handles_batch_and_several_contracting_axes(lhs_shape, rhs_shape, dims, _):
+  # Blocks along flattened contractions, padded to 32: close to float32 for every layout.
+  rng = np.random.default_rng(8)
+  lhs = jnp.asarray(rng.standard_normal(lhs_shape), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal(rhs_shape), jnp.float32)
+  out_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dims), lhs, rhs).shape
+  g = jnp.asarray(rng.standard_normal(out_shape), jnp.float32)
+  recipe = mpx.Fp8Recipe("mxfp8")
+  got = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, dims, recipe=recipe), lhs, rhs, g
+  )
+  want = _product_and_gradients(
+    lambda a, b: jax.lax.dot_general(a, b, dims, precision="highest"), lhs, rhs, g
+  )
+  for x, y in zip(got, want, strict=True):
+    assert x.shape == y.shape and _sqnr(x, y) > 25
+
+
 def _rows_qdq(x, axis):
   """x rounded to E4M3 with a power-of-two scale per index of the axes other than ``axis``."""
   x = np.asarray(x, np.float32)
@@ -687,11 +708,16 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
   # The head is the only layer with a dimension of 4 (NNX paths are class names).
   assert len(others) == 3 and all(4 in (*op.lhs_shape, *op.rhs_shape) for op in others)
   for op in report.fp8_ops:
-    formats = [f.name for f in op.fp8_formats if f is not None]
+    formats = [f.name for f in op.fp8 if f is not None]
     # Gradients are E5M2 per tensor, E4M3 per row or block.
     e5m2_gradient = op.is_backward and policy in ("mixed_float8", "mixed_float8_delayed")
     assert (formats.count("float8_e5m2"), formats.count("float8_e4m3fn")) == (
       (1, 1) if e5m2_gradient else (0, 2)
+    )
+    # ... and the audit's table says so.
+    flag = next(f for f in report.flags(op) if f.startswith("fp8:"))
+    assert sorted(flag.removeprefix("fp8:").split(",")) == sorted(
+      f.removeprefix("float8_") for f in formats
     )
 
 

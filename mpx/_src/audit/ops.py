@@ -50,11 +50,12 @@ class MatmulOp:
       call sites times the trip counts of the loops around it (see
       :func:`audit`).
     misaligned: the ``gemm_dims`` that are not multiples of 8, as ``("N=10",)``.
-    fp8: per operand, the float8 format it was dequantised from just before
-      the op (``convert`` from float8, times a scale: the quantise-dequantise
-      form of Flax's ``Fp8DotGeneralOp``, which XLA:GPU may compile to a
-      bfloat16 GEMM, see :func:`mpx.audit`'s ``target``), else ``None``; a
-      float8 operand itself is in its dtype (see :attr:`fp8_formats`).
+    fp8: per operand, the float8 format it is multiplied in, else ``None``:
+      its own dtype for a float8 operand (what :func:`mpx.fp8.fp8_dot_general`
+      emits), or the format it was dequantised from just before the op
+      (``convert`` from float8, times a scale: the quantise-dequantise form of
+      Flax's ``Fp8DotGeneralOp``, which XLA:GPU may compile to a bfloat16
+      GEMM, see :func:`mpx.audit`'s ``target``).
   """
 
   kind: str
@@ -80,19 +81,8 @@ class MatmulOp:
 
   @property
   def is_fp8(self) -> bool:
-    """Whether both operands are float8: dequantised float8 tensors, or float8 arrays themselves."""
-    return all(f is not None for f in self.fp8_formats)
-
-  @property
-  def fp8_formats(self) -> tuple[np.dtype | None, ...]:
-    """Per operand, the float8 format it is multiplied in: its own dtype or the one it was dequantised from.
-
-    ``None`` for an operand that is not float8 either way.
-    """
-    return tuple(
-      d if dtypes_lib.is_float8(d) else f
-      for f, d in zip(self.fp8, (self.lhs_dtype, self.rhs_dtype), strict=True)
-    )
+    """Whether both operands are float8: float8 arrays themselves, or dequantised float8 tensors."""
+    return all(f is not None for f in self.fp8)
 
   @property
   def is_half(self) -> bool:

@@ -310,6 +310,12 @@ def _upcast_from_half(value: Any) -> bool:
     owner = owner.operands[0].owner
 
 
+def _float8_format(value: Any) -> np.dtype | None:
+  """The float8 format a product operand is multiplied in: its own, or the one it was dequantised from."""
+  own, _ = _tensor(str(value.type))
+  return own if dtypes_lib.is_float8(own) else _dequantized_from(value)
+
+
 def _dequantized_from(value: Any, depth: int = 0) -> np.dtype | None:
   """The float8 format ``value`` was dequantised from, or ``None``.
 
@@ -370,7 +376,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     is_backward=is_backward,
     count=raw["count"],
     misaligned=misaligned,
-    fp8=tuple(_dequantized_from(value) for value in op.operands[:2]),
+    fp8=tuple(_float8_format(value) for value in op.operands[:2]),
   )
 
 

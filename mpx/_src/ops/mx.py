@@ -23,6 +23,7 @@ zero-padded to multiples of 32 where they are contracted.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -39,20 +40,25 @@ E8M0 = np.dtype(jnp.float8_e8m0fnu)
 _SMALLEST_E8M0 = 2.0**-127
 
 
-def _canonical(x: jax.Array, contracting: tuple[int, ...], batch: tuple[int, ...]):
-  """``x`` as ``(batch, free, contracted)``, each group of axes flattened, and how to undo it."""
-  free = [d for d in range(x.ndim) if d not in contracting and d not in batch]
+def _layout(shape: tuple[int, ...], contracting: Any, batch: Any):
+  """How an operand becomes ``(batch, free, contracted)``: the axis order, and the shape in it."""
+  free = [d for d in range(len(shape)) if d not in contracting and d not in batch]
   perm = (*batch, *free, *contracting)
-  moved = jnp.transpose(x, perm)
-
-  def size(axes: Any) -> int:
-    return int(np.prod([x.shape[d] for d in axes], dtype=np.int64))
-
-  return moved.reshape(size(batch), size(free), size(contracting)), perm, moved.shape
+  return perm, tuple(shape[d] for d in perm)
 
 
-def _restore(x: jax.Array, perm: tuple[int, ...], moved_shape: tuple[int, ...]) -> jax.Array:
-  return jnp.transpose(x.reshape(moved_shape), tuple(np.argsort(perm)))
+def _canonical(x: jax.Array, contracting: Any, batch: Any) -> jax.Array:
+  """``x`` as ``(batch, free, contracted)``, each group of axes flattened (in dot_general's order)."""
+  perm, moved = _layout(x.shape, contracting, batch)
+  nb, nc = len(batch), len(contracting)
+  sizes = (moved[:nb], moved[nb : len(moved) - nc], moved[len(moved) - nc :])
+  return jnp.transpose(x, perm).reshape(*(math.prod(group) for group in sizes))
+
+
+def _restore(x: jax.Array, shape: tuple[int, ...], contracting: Any, batch: Any) -> jax.Array:
+  """The inverse of :func:`_canonical` for an operand of ``shape``."""
+  perm, moved = _layout(shape, contracting, batch)
+  return jnp.transpose(x.reshape(moved), tuple(np.argsort(perm)))
 
 
 def _padded(x: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
@@ -128,8 +134,8 @@ def _mx_dot_fwd(
 ) -> tuple[jax.Array, Any]:
   del shapes
   (lc, rc), (lb, rb) = dimension_numbers
-  a, _, _ = _canonical(lhs, lc, lb)  # (B, M, K)
-  b, _, _ = _canonical(rhs, rc, rb)  # (B, N, K)
+  a = _canonical(lhs, lc, lb)  # (B, M, K)
+  b = _canonical(rhs, rc, rb)  # (B, N, K)
   (batch, m, k), n = a.shape, b.shape[1]
   mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
   a, b = _padded(a, (batch, mp, kp)), _padded(b, (batch, np_, kp))
@@ -161,25 +167,18 @@ def _mx_dot_bwd(
   a_rows, b_rows = residuals
   batch, mp, _ = a_rows[0].shape
   np_ = b_rows[0].shape[1]
-  lhs_moved = _moved_shape(shapes[0], lc, lb)
-  rhs_moved = _moved_shape(shapes[1], rc, rb)
-  m = int(np.prod(lhs_moved[len(lb) : len(lhs_moved) - len(lc)], dtype=np.int64))
-  n = int(np.prod(rhs_moved[len(rb) : len(rhs_moved) - len(rc)], dtype=np.int64))
-  k = int(np.prod(lhs_moved[len(lhs_moved) - len(lc) :], dtype=np.int64))
+  _, lhs_moved = _layout(shapes[0], lc, lb)
+  _, rhs_moved = _layout(shapes[1], rc, rb)
+  m = math.prod(lhs_moved[len(lb) : len(lhs_moved) - len(lc)])
+  n = math.prod(rhs_moved[len(rb) : len(rhs_moved) - len(rc)])
+  k = math.prod(lhs_moved[len(lhs_moved) - len(lc) :])
   g3 = _padded(g.reshape(batch, m, n), (batch, mp, np_))
   margin = recipe.margin
   ga = _block_scaled_dot(block_quantize(g3, 2, margin=margin), b_rows, _DGRAD)  # (B, Mp, Kp)
   gb = _block_scaled_dot(block_quantize(g3, 1, margin=margin), a_rows, _WGRAD)  # (B, Np, Kp)
-  lhs_perm = (*lb, *(d for d in range(len(shapes[0])) if d not in (*lc, *lb)), *lc)
-  rhs_perm = (*rb, *(d for d in range(len(shapes[1])) if d not in (*rc, *rb)), *rc)
-  ga = _restore(ga[:, :m, :k].astype(dtypes[0]), lhs_perm, lhs_moved)
-  gb = _restore(gb[:, :n, :k].astype(dtypes[1]), rhs_perm, rhs_moved)
+  ga = _restore(ga[:, :m, :k].astype(dtypes[0]), shapes[0], lc, lb)
+  gb = _restore(gb[:, :n, :k].astype(dtypes[1]), shapes[1], rc, rb)
   return ga, gb
-
-
-def _moved_shape(shape: tuple[int, ...], contracting: Any, batch: Any) -> tuple[int, ...]:
-  free = [d for d in range(len(shape)) if d not in contracting and d not in batch]
-  return tuple(shape[d] for d in (*batch, *free, *contracting))
 
 
 _mx_dot.defvjp(_mx_dot_fwd, _mx_dot_bwd)

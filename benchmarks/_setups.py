@@ -18,6 +18,9 @@ configuration. The models are written without any precision argument
   params with float32 masters (layout (b), dynamic loss scaling);
 * ``mpx_bf16_flax_norms``: ``mpx_bf16`` with ``KeepRules(lean_norms=False)``
   (Flax's normalisation code between casts): what the lean norms change;
+* ``mpx_fp8``, ``mpx_fp8_rowwise``: ``mixed_bfloat16`` with float8 GEMMs
+  (``mixed_float8``, ``mixed_float8_rowwise``: current scaling, so no model
+  state; the delayed recipe's histories are left to ``fp8_recipes.py``);
 * ``jmp_f16``: jmp's ``params=float32,compute=float16,output=float32``
   policy applied by hand (params and inputs cast before ``apply``) with
   ``jmp.DynamicLossScale``.
@@ -52,6 +55,8 @@ CONFIGS: dict[str, str] = {
   "mpx_f16": "mpx mixed_float16, dynamic loss scaling",
   "mpx_f16_masters": "mpx float16 params + float32 masters (layout (b)), dynamic loss scaling",
   "jmp_f16": "jmp policy params=float32,compute=float16,output=float32 + jmp.DynamicLossScale",
+  "mpx_fp8": "mpx mixed_float8 (float8 GEMMs, current scaling, per tensor)",
+  "mpx_fp8_rowwise": "mpx mixed_float8_rowwise (float8 GEMMs, per-row / per-column scales)",
 }
 MODELS: dict[str, str] = {
   "gpt2_linen": "GPT-2 small (linen)",
@@ -59,12 +64,23 @@ MODELS: dict[str, str] = {
   "resnet50": "ResNet-50 (linen, BatchNorm)",
 }
 #: Configurations whose every matmul is meant to take half-precision operands.
-MIXED = ("bf16_flax", "mpx_bf16", "mpx_bf16_flax_norms", "mpx_f16", "mpx_f16_masters", "jmp_f16")
+MIXED = (
+  "bf16_flax",
+  "mpx_bf16",
+  "mpx_bf16_flax_norms",
+  "mpx_f16",
+  "mpx_f16_masters",
+  "jmp_f16",
+  "mpx_fp8",
+  "mpx_fp8_rowwise",
+)
 _MPX_POLICIES = {
   "mpx_bf16": "mixed_bfloat16",
   "mpx_bf16_flax_norms": "mixed_bfloat16",
   "mpx_f16": "mixed_float16",
   "mpx_f16_masters": "params=float16,compute=float16,output=float32",
+  "mpx_fp8": "mixed_float8",
+  "mpx_fp8_rowwise": "mixed_float8_rowwise",
 }
 _JMP_POLICY = "params=float32,compute=float16,output=float32"
 LEARNING_RATE = 1e-4

@@ -254,8 +254,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     sep += "---|---:|"
   lines = [head, sep]
   for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['model']} | {r['config']} | error: {r['error']} |")
+    if "error" in r or "not_run" in r:
+      why = f"error: {r['error']}" if "error" in r else f"not run: {r['not_run']}"
+      lines.append(f"| {r['model']} | {r['config']} | {why} |")
       continue
     roof = r["roofline"]
     line = (
@@ -268,7 +269,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
       model_ms = sum(c.get("model_ms", 0.0) for c in r["collectives"])
       line += f" {collective_cell(r)} | {model_ms:.2f} |"
     lines.append(line)
-  ok = [r for r in rows if "error" not in r]
+  ok = [r for r in rows if "error" not in r and "not_run" not in r]
   if ok:
     first = ok[0]
     lines.append("")
@@ -308,7 +309,7 @@ def _command(report: dict[str, Any]) -> str:
 
 
 def _loss_scaling_lines(rows: list[dict[str, Any]]) -> list[str]:
-  by = {(r["model"], r["config"]): r for r in rows if "error" not in r}
+  by = {(r["model"], r["config"]): r for r in rows if "error" not in r and "not_run" not in r}
   lines = []
   for model in dict.fromkeys(r["model"] for r in rows):
     f16, bf16 = by.get((model, "mpx_f16")), by.get((model, "mpx_bf16"))

@@ -184,6 +184,8 @@ def _run_worker(job: tuple[str, str], args: argparse.Namespace, tmp: pathlib.Pat
   out = tmp / f"{model}-{config}.json"
   if args.work_dir and out.exists():  # measured by an earlier, interrupted run
     return json.loads(out.read_text())
+  if args.deadline is not None and time.monotonic() > args.deadline:
+    return {"model": model, "config": config, "not_run": f"past --deadline {args.deadline_s:g} s"}
   if args.smoke:  # tiny models: one process for all, so that CI's smoke run stays under a minute
     try:
       worker(model, config, smoke=True, steps=args.steps, out=out, target=args.target)
@@ -249,8 +251,9 @@ def format_table(rows: list[dict]) -> str:
     "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
   ]
   for r in rows:
-    if "error" in r:
-      lines.append(f"| {r['model']} | {r['config']} | error: {r['error']} " + "|" * 10)
+    if "error" in r or "not_run" in r:
+      why = f"error: {r['error']}" if "error" in r else f"not run: {r['not_run']}"
+      lines.append(f"| {r['model']} | {r['config']} | {why} " + "|" * 10)
       continue
     a = r["audit"]
     lines.append(
@@ -361,6 +364,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument(
     "--work-dir", help="keep each worker's JSON here and reuse those present (resume a long run)"
   )
+  parser.add_argument(
+    "--deadline",
+    type=float,
+    dest="deadline_s",
+    help="start no worker (nor the GPU loss-scaling timings) after this many seconds; the rows "
+    "left are reported as not run (a GPU lease of fixed length)",
+  )
   parser.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
   parser.add_argument("--worker-out", help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
@@ -390,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"unknown models/configs {sorted(unknown)}")
 
   start = time.perf_counter()
+  args.deadline = None if args.deadline_s is None else time.monotonic() + args.deadline_s
   jobs = [(m, c) for m in args.models for c in args.configs]
   with (
     tempfile.TemporaryDirectory() as tmp,
@@ -415,7 +426,10 @@ def main(argv: list[str] | None = None) -> int:
     "targets": _targets(rows),
   }
   if report["backend"] == "gpu":
-    report["loss_scale_skips_gpu_ms"] = _loss_scale_skips_on_gpu(args)
+    if args.deadline is None or time.monotonic() < args.deadline:
+      report["loss_scale_skips_gpu_ms"] = _loss_scale_skips_on_gpu(args)
+    else:
+      report["loss_scale_skips_gpu_ms"] = {"not_run": f"past --deadline {args.deadline_s:g} s"}
   else:
     report["gpu"] = "not measured: no GPU in this run"
   report["seconds"] = time.perf_counter() - start
@@ -428,12 +442,16 @@ def main(argv: list[str] | None = None) -> int:
     if row["config"] == "f32" and "audit" in row:
       print(f"\naudit of the float32 baseline, {row['model']}:\n{row['audit']['summary']}")
   print()
+  if "loss_scale_skips_gpu_ms" in report:
+    print(f"loss-scale skips on the GPU, ms per step: {report['loss_scale_skips_gpu_ms']}")
   for check in report["targets"]:
     print(f"{'met' if check['met'] else 'MISSED'}: {check['target']}: {check['value']}")
   if report["backend"] != "gpu":
     print("GPU figures: not measured (no GPU in this run).")
   print(f"{len(rows)} configurations in {report['seconds']:.0f} s; JSON: {out}")
   failed = [r for r in rows if "error" in r]
+  for r in (r for r in rows if "not_run" in r):
+    print(f"NOT RUN {r['model']}/{r['config']}: {r['not_run']}", file=sys.stderr)
   for r in failed:
     print(f"FAILED {r['model']}/{r['config']}: {r['error']}", file=sys.stderr)
   return 1 if failed else 0

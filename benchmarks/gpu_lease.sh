@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One fixed-length session on a lent GPU: everything mpx measures on a real device, in order of
+# value, each stage under its own time limit, so that a lease of BUDGET seconds ends with results.
+#
+#   BUDGET=540 OUT=/tmp/gpu bash benchmarks/gpu_lease.sh
+#
+# Uses the machine's own jax/jaxlib (with its CUDA plugin) and, if their import fails under
+# mpx, the flax/optax/chex versions this repository is tested with, installed from wheels in
+# .whl/ (with jmp, which benchmarks/run.py compares against). Writes, under $OUT: versions.txt,
+# run_smoke.json, fp8_speed.json, run_gpt2.json, run_resnet50.json and lease.log.
+set -u
+BUDGET=${BUDGET:-540}
+OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+start=$SECONDS
+left() { echo $((BUDGET - (SECONDS - start))); }
+log() { echo "[$((SECONDS - start)) s] $*"; }
+
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-jmp \
+    .whl/jmp-*.whl && export PYTHONPATH=$PWD:/tmp/site-jmp
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-pinned \
+    .whl/flax-*.whl .whl/optax-*.whl .whl/chex-*.whl
+else
+  export PYTHONPATH=$PWD
+fi
+
+versions() {
+  python3 - <<'EOF'
+import importlib.metadata as md, jax
+for name in ("jax", "jaxlib", "flax", "optax", "chex", "jmp", "numpy", "ml_dtypes"):
+  try:
+    print(name, md.version(name))
+  except md.PackageNotFoundError:
+    print(name, "missing")
+import flax, optax, chex
+print("flax from", flax.__file__)
+print("devices", jax.devices(), [d.device_kind for d in jax.devices()])
+import mpx
+print("mpx", mpx.__version__)
+EOF
+}
+{ nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total \
+  --format=csv; } >"$OUT/versions.txt" 2>&1
+log "versions (the machine's packages)"
+if ! versions >>"$OUT/versions.txt" 2>&1 \
+  || ! timeout 120 python3 benchmarks/run.py --smoke --models gpt2_linen \
+    --configs mpx_bf16 mpx_f16 jmp_f16 mpx_fp8 --steps 5 --out "$OUT/run_smoke.json"; then
+  log "the machine's flax/optax/chex failed under mpx: the pinned ones"
+  export PYTHONPATH=$PWD:/tmp/site-pinned:/tmp/site-jmp
+  versions >>"$OUT/versions.txt" 2>&1
+  timeout 120 python3 benchmarks/run.py --smoke --models gpt2_linen \
+    --configs mpx_bf16 mpx_f16 jmp_f16 mpx_fp8 --steps 5 --out "$OUT/run_smoke.json" \
+    || { log "smoke failed twice: stopping"; exit 3; }
+fi
+cat "$OUT/versions.txt"
+
+log "fp8_speed ($(left) s left)"
+timeout $(($(left) < 150 ? $(left) : 150)) python3 benchmarks/fp8_speed.py \
+  --sizes 8192x4096 8192x8192 --repeats 20 --out "$OUT/fp8_speed.json"
+
+log "run.py GPT-2 ($(left) s left)"
+timeout $(($(left) - 20)) python3 benchmarks/run.py --models gpt2_linen --steps 30 --timeout 150 \
+  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 mpx_fp8 f32 mpx_fp8_rowwise mpx_f16_masters \
+  --deadline $(($(left) / 2 - 40)) --out "$OUT/run_gpt2.json"
+
+log "run.py ResNet-50 ($(left) s left)"
+timeout $(($(left) - 10)) python3 benchmarks/run.py --models resnet50 --steps 30 --timeout 150 \
+  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 f32 mpx_fp8 mpx_f16_masters \
+  --deadline $(($(left) - 90)) --out "$OUT/run_resnet50.json"
+log "done"

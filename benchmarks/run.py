@@ -200,6 +200,7 @@ def _run_worker(job: tuple[str, str], args: argparse.Namespace, tmp: pathlib.Pat
   except subprocess.TimeoutExpired:
     return {"model": model, "config": config, "error": f"timed out after {args.timeout} s"}
   row = json.loads(out.read_text()) if out.exists() else {"model": model, "config": config}
+  print(f"{model}/{config}: rc {proc.returncode}, {row.get('seconds', 0):.0f} s", file=sys.stderr)
   if proc.returncode:
     row["error"] = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
     row["stderr_tail"] = proc.stderr[-4000:]

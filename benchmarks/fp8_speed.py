@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens, width = (int(n) for n in size.split("x"))
     for policy in args.recipes:
       steps.append(step_row(policy, tokens, width, repeats))
+      print(json.dumps(steps[-1]), flush=True)  # kept in the log if the run is cut short
   base = {(r["tokens"], r["width"]): r["step_ms"] for r in steps if r["policy"] == RECIPES[0]}
   for r in steps:
     if (r["tokens"], r["width"]) in base:

@@ -114,7 +114,7 @@ class Gemm:
 
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*)$")
 _COMPUTATION = re.compile(r"^\s*(?:ENTRY\s+)?%([\w.\-]+)\s*\(.*\{\s*$")
-_ELEMENT = re.compile(r"^\(?\s*([a-z]+\d*)\[")
+_ELEMENT = re.compile(r"^\(?\s*([a-z][a-z0-9]*)\[")  # f32, bf16, f8e4m3fn, f8e5m2
 
 
 def _split_type(rest: str) -> tuple[str, str]:

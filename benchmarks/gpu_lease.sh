@@ -42,17 +42,18 @@ EOF
 versions >>"$OUT/versions.txt" 2>&1 || { cat "$OUT/versions.txt"; exit 3; }
 cat "$OUT/versions.txt"
 
-log "fp8_speed ($(left) s left)"
-timeout $(($(left) < 150 ? $(left) : 150)) python3 benchmarks/fp8_speed.py \
-  --sizes 8192x4096 8192x8192 --repeats 20 --out "$OUT/fp8_speed.json"
-
+# GPT-2 first: its workers compile for longest (an H200 worker passed 150 s on 2026-11-26).
 log "run.py GPT-2 ($(left) s left)"
-timeout $(($(left) - 20)) python3 benchmarks/run.py --models gpt2_linen --steps 30 --timeout 150 \
-  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 mpx_fp8 f32 mpx_fp8_rowwise mpx_f16_masters \
+timeout $(($(left) - 20)) python3 benchmarks/run.py --models gpt2_linen --steps 30 --timeout 400 \
+  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 f32 mpx_fp8 mpx_bf16_flax_norms \
   --deadline $(($(left) / 2 - 40)) --out "$OUT/run_gpt2.json"
 
 log "run.py ResNet-50 ($(left) s left)"
 timeout $(($(left) - 10)) python3 benchmarks/run.py --models resnet50 --steps 30 --timeout 150 \
-  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 f32 mpx_fp8 mpx_f16_masters \
-  --deadline $(($(left) - 90)) --out "$OUT/run_resnet50.json"
+  --configs mpx_bf16_flax_norms mpx_bf16 bf16_flax mpx_fp8 mpx_f16 jmp_f16 f32 mpx_f16_masters \
+  --deadline $(($(left) - 200)) --out "$OUT/run_resnet50.json"
+
+log "fp8_speed ($(left) s left)"
+timeout $(($(left) - 5)) python3 benchmarks/fp8_speed.py \
+  --sizes 8192x8192 8192x4096 --repeats 20 --out "$OUT/fp8_speed.json"
 log "done"

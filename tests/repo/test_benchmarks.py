@@ -213,6 +213,28 @@ def test_gemm_kernels_lists_kernels_with_the_types_they_multiply():
   assert gemms["dot.7"].kind == "xla" and "high" in gemms["dot.7"].precision
 
 
+FP8_HLO = """\
+ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[16,128], s: f32[]) -> f32[64,16] {
+  %a = f8e4m3fn[64,128]{1,0} parameter(0)
+  %b = f8e4m3fn[16,128]{1,0} parameter(1)
+  %s = f32[] parameter(2)
+  %cublas-gemm.1 = (f32[64,16]{1,0}, s8[33554432]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"alpha_real":1}}
+  ROOT %get-tuple-element.2 = f32[64,16]{1,0} get-tuple-element(%cublas-gemm.1), index=0
+}
+"""
+
+
+def test_gemm_kernels_names_float8_operands():
+  # An H200 run listed these as "? x ?": the element pattern stopped at f8e4m3fn's digits.
+  [gemm] = _gpu.gemm_kernels(FP8_HLO)
+  assert (gemm.kind, gemm.operand_dtypes, gemm.result_dtype) == (
+    "cublasLt",
+    ("f8e4m3fn", "f8e4m3fn"),
+    "f32",
+  )
+  assert not gemm.is_float32
+
+
 def test_half_peak_table():
   assert _gpu.half_peak_tflops("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989.0)
   assert _gpu.half_peak_tflops("NVIDIA H100 PCIe") == ("H100 PCIe", 756.0)

@@ -155,13 +155,13 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--gemm-size", type=int, default=8192)
   parser.add_argument("--repeats", type=int, default=30)
   parser.add_argument("--recipes", nargs="+", default=list(RECIPES))
-  parser.add_argument("--smoke", action="store_true", help="256x256, 3 repeats, any backend")
+  parser.add_argument("--smoke", action="store_true", help="128x128, 2 repeats, any backend")
   parser.add_argument("--out", help="JSON path (default results/fp8_speed[_smoke].json)")
   args = parser.parse_args(argv)
   if not args.smoke and not _gpu.is_gpu():
     parser.error("no GPU: this benchmark times a GPU (use --smoke to run its code path anywhere)")
-  sizes = ["256x256"] if args.smoke else args.sizes
-  repeats = 3 if args.smoke else args.repeats
+  sizes = ["128x128"] if args.smoke else args.sizes
+  repeats = 2 if args.smoke else args.repeats
   device = jax.devices()[0]
   steps = []
   for size in sizes:
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
   for r in steps:
     if (r["tokens"], r["width"]) in base:
       r["speedup_vs_bf16"] = base[r["tokens"], r["width"]] / r["step_ms"]
-  gemms = gemm_rows(256 if args.smoke else args.gemm_size, repeats)
+  gemms = gemm_rows(128 if args.smoke else args.gemm_size, repeats)
   report = {
     "benchmark": "fp8_speed",
     "command": "python benchmarks/fp8_speed.py "

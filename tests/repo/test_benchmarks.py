@@ -15,6 +15,7 @@ No timing assertions: speed figures live in the benchmarks' own output.
 
 import dataclasses
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import _gpu
 import _loss_scale_steps as steps
 import _measure
 import _setups
+import fp8_speed
 import loss_scale_overhead as bench
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -310,3 +312,39 @@ def test_run_smoke(tmp_path):
     if row["config"] == "f32_highest":
       assert row["audit"]["tf32_matmuls"] == 0
   assert "GPU figures: not measured" in proc.stdout
+
+
+def test_run_deadline_reports_the_rows_it_did_not_start(tmp_path, capsys):
+  """``run.py --deadline``: a row not started in time is reported as not run, never dropped."""
+  import run
+
+  out = tmp_path / "run.json"
+  code = run.main(
+    ["--models", "gpt2_linen", "--configs", "f32", "mpx_bf16", "--deadline", "0", "--out", str(out)]
+  )
+  assert code == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["config"], "not_run" in r) for r in rows] == [("f32", True), ("mpx_bf16", True)]
+  assert "| gpt2_linen | f32 | not run: past --deadline 0 s" in capsys.readouterr().out
+
+
+def test_fp8_speed_smoke(tmp_path):
+  """``fp8_speed.py --smoke``: every recipe's step and the bare products run (timings: GPU only)."""
+  out = tmp_path / "fp8_speed.json"
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / "fp8_speed.py"), "--smoke", "--out", str(out)],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads(out.read_text())
+  assert [r["policy"] for r in report["steps"]] == list(fp8_speed.RECIPES)
+  assert all(r["step_ms"] > 0 and r["gemms"] for r in report["steps"])
+  assert [r["product"] for r in report["gemms"]][:2] == [
+    "bf16 x bf16 -> f32 acc",
+    "e4m3 x e4m3 -> f32 acc",
+  ]
+  assert not [r for r in report["gemms"] if "error" in r]

@@ -108,10 +108,11 @@ def _bfloat16_temp_bytes():
   return _audit(_linen_step, "mixed_bfloat16", batch=4096, width=1024).memory.temp_bytes
 
 
-@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
+@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise"])
 def test_fp8_step_plans_at_most_three_quarters_of_the_bfloat16_temp_memory(policy):
   # Residuals saved as float8 (1 byte) instead of bfloat16; the size is the MLP the
   # ratio is stated for in docs/guide/fp8.md (XLA's plan for one H100, no autotuning).
+  # Rowwise planned 0.82x while its per-row-scaled GEMMs wrote float32 products.
   bf16 = _bfloat16_temp_bytes()
   fp8 = _audit(_linen_step, policy, batch=4096, width=1024).memory.temp_bytes
   assert fp8 <= 0.75 * bf16, (fp8 / 2**20, bf16 / 2**20)

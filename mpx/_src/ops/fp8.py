@@ -176,14 +176,14 @@ def _fp8_dot(
 
 
 def _rescaled(product: jax.Array, scales: Sequence[jax.Array], dtype: np.dtype) -> jax.Array:
-  """A float32 product of float8 operands, times their scales (one at a time), in ``dtype``.
+  """A product of float8 operands (float32, or ``dtype``), times their scales (one at a time), in ``dtype``.
 
   One multiplication per scale: the scales are powers of two, so each product
-  is exact unless it leaves float32's range, and multiplying them together
+  is exact unless it leaves the format's range, and multiplying them together
   first could underflow to zero where the result itself does not.
   """
   for scale in scales:
-    product = product * scale.astype(jnp.float32)
+    product = product * scale.astype(product.dtype)
   return product.astype(dtype)
 
 
@@ -282,8 +282,19 @@ def _scaled_dot(
   (ac, bc), (ab, bb) = dimension_numbers
   a_free = a.ndim - len(ac) - len(ab)
   b_free = b.ndim - len(bc) - len(bb)
+  # Per-row scales are not a GEMM epilogue XLA fuses: the product is written
+  # out before they apply. Written in ``dtype`` when its range is float32's
+  # (bfloat16), it takes half the bytes (the GEMM still accumulates in
+  # float32), and a power-of-two scale commutes with the rounding: the result
+  # is the same down to bfloat16's smallest normal number.
+  per_row = a_scale.ndim > 0 or b_scale.ndim > 0
+  in_dtype = per_row and scale_dtype(dtype) == dtype
   product = jax.lax.dot_general(
-    a, b, dimension_numbers, precision=precision, preferred_element_type=jnp.float32
+    a,
+    b,
+    dimension_numbers,
+    precision=precision,
+    preferred_element_type=dtype if in_dtype else jnp.float32,
   )
   scales = (
     _in_output_layout(a_scale, a.ndim, ac, ab, 0, b_free),
@@ -345,15 +356,18 @@ def _fp8_dot_bwd(
     (lc, rc), (lb, rb) = dimension_numbers
     lhs_free = lhs_q.ndim - len(lc) - len(lb)
     rhs_free = rhs_q.ndim - len(rc) - len(rb)
-    g32 = g.astype(jnp.float32)
+    # In g's own dtype (float32 for float16, whose range a scale may leave):
+    # a power-of-two product is exact there, and a bfloat16 g is not widened.
+    wide = scale_dtype(g.dtype)
+    g = g.astype(wide)
     one = jnp.float32(1.0)
     # E4M3 for the gradient too (torchao's rowwise, DeepSeek-V3's tiles): with a
     # scale per row its range is the row's, and E4M3 has one more mantissa bit.
-    rhs_in_g = _in_output_layout(rhs_scale, rhs_q.ndim, rc, rb, lhs_free, 0)
-    g_a, g_a_scale = _rowwise(g32 * rhs_in_g, E4M3, g_over_rhs_free, recipe)
+    rhs_in_g = _in_output_layout(rhs_scale, rhs_q.ndim, rc, rb, lhs_free, 0).astype(wide)
+    g_a, g_a_scale = _rowwise(g * rhs_in_g, E4M3, g_over_rhs_free, recipe)
     ga = _scaled_dot(g_a, g_a_scale, rhs_q, one, lhs_dims, precision, lhs_dtype)
-    lhs_in_g = _in_output_layout(lhs_scale, lhs_q.ndim, lc, lb, 0, rhs_free)
-    g_b, g_b_scale = _rowwise(g32 * lhs_in_g, E4M3, g_over_lhs_free, recipe)
+    lhs_in_g = _in_output_layout(lhs_scale, lhs_q.ndim, lc, lb, 0, rhs_free).astype(wide)
+    g_b, g_b_scale = _rowwise(g * lhs_in_g, E4M3, g_over_lhs_free, recipe)
     gb = _scaled_dot(lhs_q, one, g_b, g_b_scale, rhs_dims, precision, rhs_dtype)
     ga, gb = _kept(
       recipe, residuals, dtypes, dimension_numbers, precision, g, ga, gb, lhs_perm, rhs_perm

@@ -34,6 +34,7 @@ RECIPES = {
   "mixed_float8_delayed": "h100",
   "mixed_float8_rowwise": "h100",
   "mixed_mxfp8": "b200",
+  "mixed_float8_blockwise": "h100",
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 

@@ -48,6 +48,7 @@ RECIPES = (
   "mixed_float8_delayed",
   "mixed_float8_rowwise",
   "mixed_mxfp8",
+  "mixed_float8_blockwise",
 )
 RESULTS = HERE / "results"
 

@@ -77,6 +77,7 @@ def test_presets_table_is_what_the_docs_say():
     "mixed_float8_delayed",
     "mixed_float8_rowwise",
     "mixed_mxfp8",
+    "mixed_float8_blockwise",
   }
 
 

@@ -39,6 +39,7 @@ PRESETS: dict[str, str] = {
   "mixed_float8_delayed": "params=float32,compute=bfloat16,output=float32,fp8=delayed",
   "mixed_float8_rowwise": "params=float32,compute=bfloat16,output=float32,fp8=rowwise",
   "mixed_mxfp8": "params=float32,compute=bfloat16,output=float32,fp8=mxfp8",
+  "mixed_float8_blockwise": "params=float32,compute=bfloat16,output=float32,fp8=blockwise",
 }
 _DTYPE_FIELDS = ("param_dtype", "compute_dtype", "output_dtype")
 
@@ -229,8 +230,10 @@ def get_policy(spec: str | Policy | Any) -> Policy:
   * a bare dtype name, for all three dtypes: ``"bf16"``;
   * float8 matmuls: ``"mixed_float8"`` (``mixed_bfloat16`` with the dense and
     einsum matmuls in float8, current scaling), ``"mixed_float8_delayed"``
-    (delayed scaling), ``"mixed_float8_rowwise"`` (a scale per row) and
-    ``"mixed_mxfp8"`` (a scale per block of 32, for Blackwell GPUs), or
+    (delayed scaling), ``"mixed_float8_rowwise"`` (a scale per row),
+    ``"mixed_mxfp8"`` (a scale per block of 32, for Blackwell GPUs) and
+    ``"mixed_float8_blockwise"`` (a scale per 1 x 128 block, per 128 x 128
+    weight tile), or
     an ``fp8=<recipe>`` part in jmp's grammar:
     ``"p=f32,c=bf16,o=f32,fp8=delayed:history=1024:reduction=max:margin=0"``
     (see :class:`mpx.Fp8Recipe`);

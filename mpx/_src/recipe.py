@@ -13,7 +13,7 @@ from typing import Any
 
 from mpx._src import errors
 
-_SCALINGS = ("current", "delayed", "rowwise", "mxfp8")
+_SCALINGS = ("current", "delayed", "rowwise", "mxfp8", "blockwise")
 _KEEP_BACKWARD = ("none", "weight_grad", "all")
 _REDUCTIONS = ("max", "most_recent")
 
@@ -51,13 +51,21 @@ class Fp8Recipe:
     contraction, E4M3 values for every operand and the gradient, through
     ``jax.lax.scaled_dot`` (see :mod:`mpx._src.ops.mx`). No state;
     ``axis_name`` does not apply (a block never spans devices).
+  * ``"blockwise"`` (DeepSeek-V3's recipe): one float32 power-of-two scale
+    per 1 x 128 block along each product's contraction for activations and
+    gradients, per 128 x 128 tile for the rhs operand (the weight, which a
+    tile's scale covers along both axes, so it is quantised once), E4M3
+    everywhere, through ``jax.lax.scaled_dot`` like MXFP8. No state. On
+    Hopper, XLA 0.10 and 0.11 run it as a bfloat16 GEMM of the dequantised
+    operands (no float8 kernel applies per-128 float32 scales there): a
+    recipe for its numerics, not its speed, until XLA has one.
 
   The scale ``s`` is the power of two that brings the amax to at most
   ``fp8_max / 2**margin``; values beyond the format's max after scaling are
   clamped to it (saturation), NaN stays NaN.
 
   Attributes:
-    scaling: ``"current"``, ``"delayed"``, ``"rowwise"`` or ``"mxfp8"``.
+    scaling: ``"current"``, ``"delayed"``, ``"rowwise"``, ``"mxfp8"`` or ``"blockwise"``.
     history_length: amaxes kept per tensor (delayed scaling).
     reduction: ``"max"`` or ``"most_recent"``: how the history gives the
       amax that sets the scale (delayed scaling).
@@ -77,7 +85,7 @@ class Fp8Recipe:
       product multiplies the saved float8 operands, dequantised, by the
       unquantised gradient. Per layer, with a keep rule:
       ``KeepRules().with_path("^head$", "p=f32,c=bf16,o=f32,fp8=current:keep_backward=all")``.
-      Not for MXFP8.
+      Not for the block-scaled recipes (MXFP8, blockwise).
 
   Raises:
     PolicyError: an unknown scaling, reduction or ``keep_backward``, a
@@ -111,7 +119,8 @@ class Fp8Recipe:
       raise errors.PolicyError(
         f"Unknown fp8 scaling {self.scaling!r}; write 'current' (each tensor's own amax, no "
         "state), 'delayed' (an amax history kept as state), 'rowwise' (one scale per row, "
-        "no state) or 'mxfp8' (a scale per block of 32, no state)."
+        "no state), 'mxfp8' (a scale per block of 32, no state) or 'blockwise' (a scale per "
+        "1 x 128 block, per 128 x 128 weight tile, no state)."
       )
     if self.reduction not in _REDUCTIONS:
       raise errors.PolicyError(
@@ -129,10 +138,11 @@ class Fp8Recipe:
         f"Unknown keep_backward {self.keep_backward!r}; write 'none' (backward products in "
         "float8), 'weight_grad' (the weight gradient in the compute dtype) or 'all'."
       )
-    if self.keep_backward != "none" and self.scaling == "mxfp8":
+    if self.keep_backward != "none" and self.block_scaled:
       raise errors.PolicyError(
-        "keep_backward applies to the per-tensor and rowwise recipes, not to 'mxfp8' (its saved "
-        "operands are blocked for the float8 backward products); use keep_backward='none'."
+        f"keep_backward applies to the per-tensor and rowwise recipes, not to {self.scaling!r} "
+        "(its saved operands are blocked for the float8 backward products); use "
+        "keep_backward='none'."
       )
 
   @property
@@ -142,8 +152,8 @@ class Fp8Recipe:
 
   @property
   def block_scaled(self) -> bool:
-    """Whether the recipe scales blocks of 32 elements (MXFP8)."""
-    return self.scaling == "mxfp8"
+    """Whether the recipe scales blocks along the contraction (MXFP8, blockwise)."""
+    return self.scaling in ("mxfp8", "blockwise")
 
   @property
   def rowwise(self) -> bool:
@@ -166,7 +176,7 @@ class Fp8Recipe:
     return ":".join(parts)
 
   def for_attention(self) -> Fp8Recipe:
-    """The recipe of attention matmuls: rowwise and MXFP8 stay, delayed becomes current (same margin and axis)."""
+    """The recipe of attention matmuls: rowwise and block-scaled stay, delayed becomes current (same margin and axis)."""
     scaling = "current" if self.delayed else self.scaling
     return dataclasses.replace(self, scaling=scaling, attention=False)
 
@@ -176,8 +186,8 @@ _WORD_KEYS = {"reduction": "reduction", "keep_backward": "keep_backward"}
 _AXIS_NAME = r"[A-Za-z0-9_.\-]+"
 _RECIPE_FORM = (
   "'delayed:history=<n>:reduction=<max|most_recent>:margin=<n>:axis=<name>:attention:"
-  "keep_backward=<none|weight_grad|all>' (every part optional), or 'current', 'rowwise' or "
-  "'mxfp8' (with margin, axis, attention, keep_backward)"
+  "keep_backward=<none|weight_grad|all>' (every part optional), or 'current', 'rowwise', "
+  "'mxfp8' or 'blockwise' (with margin, axis, attention, keep_backward)"
 )
 
 

@@ -157,6 +157,11 @@ FP8_CONFIGS = tuple(
     ("delayed", "mixed_float8_delayed", "E4M3 forward, E5M2 gradients"),
     ("rowwise", "mixed_float8_rowwise", "E4M3, a scale per row"),
     ("mxfp8", "mixed_mxfp8", "E4M3, a scale per block of 32"),
+    (
+      "blockwise",
+      "mixed_float8_blockwise",
+      "E4M3, a scale per 1x128 block, per 128x128 weight tile",
+    ),
   )
 )
 """Opt-in configurations (``--configs``): ``mixed_bfloat16`` with float8 matmuls, one per recipe."""

@@ -281,16 +281,20 @@ def test_rowwise_forward_and_backward_match_a_numpy_reference():
   assert np.all(np.abs(np.asarray(out)).max(axis=1) > 0)
 
 
-def _blocks_qdq(x, axis):
-  """x rounded to E4M3 with a power-of-two scale per block of 32 along ``axis`` (zero-padded)."""
+def _blocks_qdq(x, axis, size=32):
+  """x rounded to E4M3 with a power-of-two scale per block of ``size`` along ``axis`` (zero-padded).
+
+  Blocks of 32 have E8M0 scales (MXFP8, at least 2**-127), blocks of 128 float32 ones (blockwise).
+  """
   x = np.asarray(x, np.float32)
-  pad = -x.shape[axis] % 32
+  pad = -x.shape[axis] % size
   widths = [(0, pad if d == axis else 0) for d in range(x.ndim)]
   padded = np.pad(x, widths)
   shape = padded.shape
-  blocks = np.moveaxis(padded, axis, -1).reshape(*np.delete(shape, axis), -1, 32)
+  blocks = np.moveaxis(padded, axis, -1).reshape(*np.delete(shape, axis), -1, size)
   amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
-  scale = np.maximum(np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn)), 2.0**-127)
+  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  scale = np.maximum(scale, 2.0**-127) if size == 32 else scale
   rounded = _reference(blocks / scale, ml_dtypes.float8_e4m3fn) * scale
   rounded = np.moveaxis(rounded.reshape(*np.delete(shape, axis), shape[axis]), -1, axis)
   return rounded[tuple(slice(0, n) for n in x.shape)]
@@ -320,6 +324,46 @@ def test_mxfp8_forward_and_backward_match_a_numpy_reference(m, k, n):
     assert np.all(error <= 2**-20 * (np.abs(a).astype(np.float64) @ np.abs(b)))
   # One scale per tensor or per row would flush the smallest blocks to zero.
   assert np.count_nonzero(np.asarray(out)) == out.size
+
+
+def _tiles_qdq(w, size=128):
+  """w (2-D) rounded to E4M3 with a float32 power-of-two scale per size x size tile (zero-padded)."""
+  w = np.asarray(w, np.float32)
+  rows, cols = w.shape
+  padded = np.pad(w, [(0, -rows % size), (0, -cols % size)])
+  tiles = padded.reshape(padded.shape[0] // size, size, padded.shape[1] // size, size)
+  amax = np.max(np.abs(tiles), axis=(1, 3), keepdims=True)
+  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  rounded = (_reference(tiles / scale, ml_dtypes.float8_e4m3fn) * scale).reshape(padded.shape)
+  return rounded[:rows, :cols]
+
+
+@pytest.mark.parametrize("m,k,n", [(128, 256, 128), (100, 200, 130)], ids=["aligned", "padded"])
+def test_blockwise_forward_and_backward_match_a_numpy_reference(m, k, n):
+  rng = np.random.default_rng(7)
+  # lhs: magnitudes that change every 64 columns, so that 1 x 128 blocks differ from rows;
+  # rhs: columns 2**-12 apart inside a tile, so that a tile's scale (set by its largest
+  # column) rounds the small columns coarser than a scale per 1 x 128 block would.
+  magnitudes = np.repeat(np.exp2(rng.integers(-16, 16, (m, -(-k // 64)))), 64, axis=1)[:, :k]
+  lhs = np.asarray(rng.standard_normal((m, k)) * magnitudes, np.float32)
+  rhs = np.asarray(rng.standard_normal((k, n)) * np.exp2(-12.0 * (np.arange(n) % 2)), np.float32)
+  g = (rng.standard_normal((m, n)) * 1e-4).astype(np.float32)
+  recipe = mpx.Fp8Recipe("blockwise")
+  out, ga, gb = _product_and_gradients(
+    lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe), lhs, rhs, g
+  )
+  w = _tiles_qdq(rhs)  # quantised once, for the forward and the input gradient
+  products = (
+    (out, _blocks_qdq(lhs, 1, 128), w),
+    (ga, _blocks_qdq(g, 1, 128), w.T),
+    (gb, _blocks_qdq(lhs, 0, 128).T, _blocks_qdq(g, 0, 128)),
+  )
+  for got, a, b in products:
+    error = np.abs(np.asarray(got, np.float64) - a.astype(np.float64) @ b)
+    assert np.all(error <= 2**-20 * (np.abs(a).astype(np.float64) @ np.abs(b)))
+  # The tiles are tiles: per 1 x 128 block along k, the small columns would round finer.
+  per_block = _blocks_qdq(lhs, 1, 128).astype(np.float64) @ _blocks_qdq(rhs, 0, 128)
+  assert not np.allclose(np.asarray(out, np.float64), per_block, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("scaling", ["current", "rowwise"])
@@ -362,6 +406,8 @@ def test_keep_backward_round_trips_and_rejects_mxfp8():
     mpx.Fp8Recipe("current", keep_backward="wgrad")
   with pytest.raises(mpx.PolicyError, match="not to 'mxfp8'"):
     mpx.get_policy("p=f32,c=bf16,fp8=mxfp8:keep_backward=all")
+  with pytest.raises(mpx.PolicyError, match="not to 'blockwise'"):
+    mpx.Fp8Recipe("blockwise", keep_backward="weight_grad")
 
 
 def _sqnr(x, reference) -> float:
@@ -378,7 +424,8 @@ def _with_outliers(rng, shape, scale, rows, columns):
 
 
 @pytest.mark.parametrize(
-  "scaling,target", [("current", 20), ("delayed", 20), ("rowwise", 25), ("mxfp8", 25)]
+  "scaling,target",
+  [("current", 20), ("delayed", 20), ("rowwise", 25), ("mxfp8", 25), ("blockwise", 25)],
 )
 def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(scaling, target):
   # torchao's criterion: SQNR against float32 of the output and both gradients,
@@ -620,8 +667,15 @@ def test_amax_is_reduced_over_a_named_axis():
 
 
 def test_policy_strings_round_trip_and_errors():
-  presets = ("mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise", "mixed_mxfp8")
-  for name, scaling in zip(presets, ("current", "delayed", "rowwise", "mxfp8"), strict=True):
+  presets = (
+    "mixed_float8",
+    "mixed_float8_delayed",
+    "mixed_float8_rowwise",
+    "mixed_mxfp8",
+    "mixed_float8_blockwise",
+  )
+  scalings = ("current", "delayed", "rowwise", "mxfp8", "blockwise")
+  for name, scaling in zip(presets, scalings, strict=True):
     policy = mpx.get_policy(name)
     assert policy.fp8 is not None and policy.fp8.scaling == scaling
     assert np.dtype(policy.compute_dtype) == jnp.bfloat16
@@ -692,7 +746,14 @@ def _nnx_loss(policy):
 
 @pytest.mark.parametrize("make", [_linen_loss, _nnx_loss], ids=["linen", "nnx"])
 @pytest.mark.parametrize(
-  "policy", ["mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise", "mixed_mxfp8"]
+  "policy",
+  [
+    "mixed_float8",
+    "mixed_float8_delayed",
+    "mixed_float8_rowwise",
+    "mixed_mxfp8",
+    "mixed_float8_blockwise",
+  ],
 )
 def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy):
   loss, params, history = make(policy)

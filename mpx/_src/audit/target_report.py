@@ -267,6 +267,18 @@ def _intent_lost(intended: Any, gemms: list[TargetGemm], target: str) -> tuple[s
         f"{sum(g.is_half for g in mine)} half-precision kernels on {target}; its kernels "
         f"multiply {', '.join(wider_than_half)}"
       )
+  # XLA may rewrite a product into kernels that keep no layer path (the decomposed
+  # block-scaled dot does): the totals still say whether float8 was lost.
+  unplaced = [g for g in gemms if (g.module_path, g.is_backward) not in groups]
+  wider = sorted({f"{a.name} x {b.name}" for g in unplaced if not g.is_fp8 for a, b in [g.dtypes]})
+  fp8_products = sum(op.is_fp8 for op in intended.ops)
+  fp8_kernels = sum(g.is_fp8 for g in gemms)
+  if not lost and fp8_kernels < fp8_products and wider:
+    lost.append(
+      f"kernels with no layer path: {fp8_products} products with float8 operands in the "
+      f"program, {fp8_kernels} float8 kernels on {target}; {len(unplaced)} kernels with no "
+      f"layer path multiply {', '.join(wider)}"
+    )
   return tuple(lost)
 
 

@@ -1,4 +1,4 @@
-"""MXFP8 matmuls: E4M3 values with one power-of-two (E8M0) scale per block of 32 along the contraction.
+"""Block-scaled float8 matmuls: MXFP8 (E8M0 scales per block of 32) and blockwise (float32 scales per 128).
 
 The OCP Microscaling format (MX v1.0) that Blackwell GPUs multiply natively:
 every 32 consecutive elements along the contracted axis share a scale, so
@@ -18,13 +18,21 @@ the axis its product contracts: the forward pass quantises each input twice,
 once for its own product and once for the backward product that needs it,
 and saves the second (one byte per element, plus one per 32). Axes are
 zero-padded to multiples of 32 where they are contracted.
+
+The blockwise recipe (DeepSeek-V3's) is the same product with blocks of 128
+and float32 power-of-two scales, except for the rhs operand (the weight),
+scaled per 128 x 128 tile: a tile's scale holds along both of its axes, so
+the weight is quantised once for the forward product and the input
+gradient's. No Hopper GEMM of XLA applies per-128 float32 scales: compiled
+for an H100 (and run on an H200), ``scaled_dot`` becomes a bfloat16 GEMM of
+the dequantised operands.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +42,26 @@ from mpx._src.ops.quantize import E4M3, quantize, scale_for
 from mpx._src.recipe import Fp8Recipe
 
 BLOCK = 32
-"""Elements per scale, along the contracted axis."""
+"""Elements per scale along the contracted axis, MXFP8."""
+TILE = 128
+"""Elements per scale along the contracted axis (and per side of a weight tile), blockwise."""
 
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
 _SMALLEST_E8M0 = 2.0**-127
+
+
+class _Blocking(NamedTuple):
+  """How a block-scaled recipe lays out its scales."""
+
+  size: int  # elements per scale along a contraction
+  scale_dtype: np.dtype  # E8M0 (MXFP8) or float32 (blockwise)
+  tiled_rhs: bool  # the rhs (the weight) scaled per size x size tile, not per 1 x size block
+
+
+def _blocking(recipe: Fp8Recipe) -> _Blocking:
+  if recipe.scaling == "blockwise":
+    return _Blocking(TILE, np.dtype(np.float32), True)
+  return _Blocking(BLOCK, E8M0, False)
 
 
 def _layout(shape: tuple[int, ...], contracting: Any, batch: Any):
@@ -68,28 +92,70 @@ def _padded(x: jax.Array, sizes: tuple[int, ...]) -> jax.Array:
   return jax.lax.pad(x, jnp.zeros((), x.dtype), pads)
 
 
-def _round_up(n: int) -> int:
-  return -(-n // BLOCK) * BLOCK
+def _round_up(n: int, size: int) -> int:
+  return -(-n // size) * size
 
 
-def block_quantize(x: jax.Array, axis: int, *, margin: int = 0) -> tuple[jax.Array, jax.Array]:
-  """``x`` in E4M3 with an E8M0 scale per block of 32 along ``axis`` (a multiple of 32 long).
+def _block_scale(value: jax.Array, margin: int, scale_dtype: np.dtype) -> jax.Array:
+  """The float32 power-of-two scale of blocks of amax ``value``, within E8M0's range if that is the scale's format."""
+  scale = scale_for(value, E4M3, margin=margin)
+  return jnp.maximum(scale, jnp.float32(_SMALLEST_E8M0)) if scale_dtype == E8M0 else scale
+
+
+def block_quantize(
+  x: jax.Array,
+  axis: int,
+  *,
+  margin: int = 0,
+  size: int = BLOCK,
+  scale_dtype: Any = E8M0,
+) -> tuple[jax.Array, jax.Array]:
+  """``x`` in E4M3 with a power-of-two scale per block of ``size`` along ``axis`` (a multiple of ``size`` long).
 
   Args:
     x: a floating array.
     axis: the blocked axis.
     margin: headroom below E4M3's max, in powers of two.
+    size: elements per block (32 for MXFP8, 128 blockwise).
+    scale_dtype: the scales' format: E8M0 (MXFP8) or float32.
 
   Returns:
-    ``(q, scale)``: ``q`` E4M3 of ``x``'s shape, ``scale`` E8M0 with
-    ``axis`` 32 times shorter; ``q * scale`` (per block) approximates ``x``.
+    ``(q, scale)``: ``q`` E4M3 of ``x``'s shape, ``scale`` in ``scale_dtype`` with
+    ``axis`` ``size`` times shorter; ``q * scale`` (per block) approximates ``x``.
   """
   shape = x.shape
-  blocks = x.reshape((*shape[:axis], shape[axis] // BLOCK, BLOCK, *shape[axis + 1 :]))
+  blocks = x.reshape((*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :]))
   value = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True).astype(jnp.float32)
-  scale = jnp.maximum(scale_for(value, E4M3, margin=margin), jnp.float32(_SMALLEST_E8M0))
+  scale = _block_scale(value, margin, np.dtype(scale_dtype))
   q = quantize(blocks, E4M3, scale).reshape(shape)
-  return q, jnp.squeeze(scale, axis + 1).astype(E8M0)
+  return q, jnp.squeeze(scale, axis + 1).astype(scale_dtype)
+
+
+def tile_quantize(
+  x: jax.Array, *, margin: int = 0, size: int = TILE
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``(batch, rows, cols)`` ``x`` in E4M3 with one float32 power-of-two scale per ``size x size`` tile.
+
+  DeepSeek-V3's weight layout: a tile's scale holds along both axes, so the
+  one quantised array serves the products that contract either axis.
+
+  Args:
+    x: a floating array, ``rows`` and ``cols`` multiples of ``size``.
+    margin: headroom below E4M3's max, in powers of two.
+    size: the tile's side.
+
+  Returns:
+    ``(q, along_cols, along_rows)``: ``q`` E4M3 of ``x``'s shape and its
+    scales laid out for a product contracting ``cols`` (``(batch, rows,
+    cols / size)``) and one contracting ``rows`` (``(batch, rows / size, cols)``).
+  """
+  batch, rows, cols = x.shape
+  tiles = x.reshape(batch, rows // size, size, cols // size, size)
+  value = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True).astype(jnp.float32)
+  scale = _block_scale(value, margin, np.dtype(np.float32))
+  q = quantize(tiles, E4M3, scale).reshape(x.shape)
+  scale = scale[:, :, 0, :, 0]  # (batch, rows / size, cols / size)
+  return q, jnp.repeat(scale, size, axis=1), jnp.repeat(scale, size, axis=2)
 
 
 def _block_scaled_dot(
@@ -137,12 +203,19 @@ def _mx_dot_fwd(
   a = _canonical(lhs, lc, lb)  # (B, M, K)
   b = _canonical(rhs, rc, rb)  # (B, N, K)
   (batch, m, k), n = a.shape, b.shape[1]
-  mp, kp, np_ = _round_up(m), _round_up(k), _round_up(n)
+  blocking = _blocking(recipe)
+  size = blocking.size
+  mp, kp, np_ = _round_up(m, size), _round_up(k, size), _round_up(n, size)
   a, b = _padded(a, (batch, mp, kp)), _padded(b, (batch, np_, kp))
-  margin = recipe.margin
-  product = _block_scaled_dot(
-    block_quantize(a, 2, margin=margin), block_quantize(b, 2, margin=margin), _FORWARD
+  blocks = functools.partial(
+    block_quantize, margin=recipe.margin, size=size, scale_dtype=blocking.scale_dtype
   )
+  if blocking.tiled_rhs:  # one quantisation of the weight serves all three products
+    b_q, along_k, along_n = tile_quantize(b, margin=recipe.margin, size=size)
+    b_cols, b_rows = (b_q, along_k), (b_q, along_n)
+  else:
+    b_cols, b_rows = blocks(b, 2), blocks(b, 1)
+  product = _block_scaled_dot(blocks(a, 2), b_cols, _FORWARD)
   # dot_general's layout, (batch, lhs free, rhs free), is (B, M, N) unflattened.
   out_shape = (
     *(lhs.shape[d] for d in lb),
@@ -151,7 +224,7 @@ def _mx_dot_fwd(
   )
   out = product[:, :m, :n].reshape(out_shape).astype(dtypes[2])
   # Saved for the backward products, blocked along the axes they contract.
-  residuals = (block_quantize(a, 1, margin=margin), block_quantize(b, 1, margin=margin))
+  residuals = (blocks(a, 1), b_rows)
   return out, residuals
 
 
@@ -173,9 +246,12 @@ def _mx_dot_bwd(
   n = math.prod(rhs_moved[len(rb) : len(rhs_moved) - len(rc)])
   k = math.prod(lhs_moved[len(lhs_moved) - len(lc) :])
   g3 = _padded(g.reshape(batch, m, n), (batch, mp, np_))
-  margin = recipe.margin
-  ga = _block_scaled_dot(block_quantize(g3, 2, margin=margin), b_rows, _DGRAD)  # (B, Mp, Kp)
-  gb = _block_scaled_dot(block_quantize(g3, 1, margin=margin), a_rows, _WGRAD)  # (B, Np, Kp)
+  blocking = _blocking(recipe)
+  blocks = functools.partial(
+    block_quantize, margin=recipe.margin, size=blocking.size, scale_dtype=blocking.scale_dtype
+  )
+  ga = _block_scaled_dot(blocks(g3, 2), b_rows, _DGRAD)  # (B, Mp, Kp)
+  gb = _block_scaled_dot(blocks(g3, 1), a_rows, _WGRAD)  # (B, Np, Kp)
   ga = _restore(ga[:, :m, :k].astype(dtypes[0]), shapes[0], lc, lb)
   gb = _restore(gb[:, :n, :k].astype(dtypes[1]), shapes[1], rc, rb)
   return ga, gb
@@ -191,7 +267,7 @@ def mx_dot_general(
   dtypes: tuple[np.dtype, np.dtype, np.dtype],
   recipe: Fp8Recipe,
 ) -> jax.Array:
-  """The MXFP8 product of :func:`mpx.fp8.fp8_dot_general` (``recipe.scaling == "mxfp8"``).
+  """The block-scaled product of :func:`mpx.fp8.fp8_dot_general` (``recipe.block_scaled``: MXFP8, blockwise).
 
   Args:
     lhs: the left operand.

@@ -47,13 +47,13 @@ def _float64_conv_and_gradients(x, w, g, **kwargs):
 
 # (input shape, kernel shape, strides, padding, kernel dilation, dimension numbers)
 CASES = {
-  "3x3": ((2, 9, 11, 5), (3, 3, 5, 7), (1, 1), "SAME", (1, 1), NHWC),
-  "3x3-stride2": ((2, 9, 11, 5), (3, 3, 5, 7), (2, 2), "SAME", (1, 1), NHWC),
-  "1x1-stride2": ((2, 9, 11, 5), (1, 1, 5, 7), (2, 2), "VALID", (1, 1), NHWC),
-  "7x7-stride2-stem": ((2, 16, 16, 3), (7, 7, 3, 8), (2, 2), ((3, 3), (3, 3)), (1, 1), NHWC),
-  "uneven-pads-dilated": ((2, 10, 9, 4), (3, 2, 4, 6), (2, 1), ((2, 0), (1, 3)), (2, 1), NHWC),
-  "1d": ((3, 17, 4), (5, 4, 6), (3,), "SAME", (1,), ("NWC", "WIO", "NWC")),
-  "nchw": ((2, 5, 9, 11), (7, 5, 3, 3), (1, 2), "SAME", (1, 1), ("NCHW", "OIHW", "NCHW")),
+  "3x3": ((2, 9, 11, 16), (3, 3, 16, 32), (1, 1), "SAME", (1, 1), NHWC),
+  "3x3-stride2": ((2, 9, 11, 16), (3, 3, 16, 32), (2, 2), "SAME", (1, 1), NHWC),
+  "1x1-stride2": ((2, 9, 11, 16), (1, 1, 16, 32), (2, 2), "VALID", (1, 1), NHWC),
+  "7x7-stride3": ((2, 16, 16, 16), (7, 7, 16, 16), (3, 3), ((3, 3), (3, 3)), (1, 1), NHWC),
+  "uneven-pads-dilated": ((2, 10, 9, 16), (3, 2, 16, 16), (2, 1), ((2, 0), (1, 3)), (2, 1), NHWC),
+  "1d": ((3, 17, 16), (5, 16, 32), (3,), "SAME", (1,), ("NWC", "WIO", "NWC")),
+  "nchw": ((2, 16, 9, 11), (32, 16, 3, 3), (1, 2), "SAME", (1, 1), ("NCHW", "OIHW", "NCHW")),
 }
 
 
@@ -86,9 +86,9 @@ def test_forward_and_both_gradients_are_float64_convolutions_of_the_float8_round
 
 def test_bfloat16_operands_give_a_bfloat16_output_and_gradients():
   rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((3, 3, 4, 8)) * 0.1, jnp.bfloat16)
-  g = jnp.ones((2, 8, 8, 8), jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((2, 8, 8, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((3, 3, 16, 16)) * 0.1, jnp.bfloat16)
+  g = jnp.ones((2, 8, 8, 16), jnp.bfloat16)
 
   def conv(a, b):
     return mpx.fp8.fp8_conv_general_dilated(a, b, (1, 1), "SAME", dimension_numbers=NHWC)
@@ -102,15 +102,16 @@ def test_bfloat16_operands_give_a_bfloat16_output_and_gradients():
 
 
 def test_saturation_and_nan_follow_the_float8_dot():
-  x = np.ones((1, 4, 4, 2), np.float32)
+  x = np.ones((1, 4, 4, 16), np.float32)
   x[0, 0, 0, 0] = np.nan
-  w = np.ones((1, 1, 2, 2), np.float32)
+  w = np.ones((1, 1, 16, 16), np.float32)
   conv = jax.jit(mpx.fp8.fp8_conv_general_dilated, static_argnums=(2, 3, 4, 5, 6))
   out = conv(x, w, (1, 1), "VALID", None, None, NHWC)
   # A NaN input makes its amax NaN: the scale falls back to 1, the NaN stays where it was.
   assert np.isnan(np.asarray(out)[0, 0, 0]).all() and np.isfinite(np.asarray(out)[0, 1:]).all()
-  x = np.full((1, 2, 2, 1), 1e4, np.float32)
-  w = np.ones((1, 1, 1, 1), np.float32)
+  x = np.zeros((1, 2, 2, 16), np.float32)
+  x[..., 0] = 1e4
+  w = np.eye(16, dtype=np.float32).reshape(1, 1, 16, 16)
   # A fixed delayed scale of 1 (history amax 448): 1e4 saturates at E4M3's max.
   recipe = mpx.Fp8Recipe("delayed", history_length=1)
   state = tuple(jnp.array([0.0, 448.0]) for _ in range(3))
@@ -119,21 +120,26 @@ def test_saturation_and_nan_follow_the_float8_dot():
       x, w, (1, 1), "VALID", dimension_numbers=NHWC, recipe=recipe, state=state
     )
   )(x, w, state)
-  np.testing.assert_array_equal(np.asarray(out), 448.0)
+  np.testing.assert_array_equal(np.asarray(out)[..., 0], 448.0)
 
 
-def test_groups_and_input_dilation_run_the_plain_convolution():
+def test_groups_input_dilation_and_unaligned_features_run_the_plain_convolution():
   rng = np.random.default_rng(2)
-  x = rng.standard_normal((2, 6, 6, 4)).astype(np.float32)
-  w = rng.standard_normal((3, 3, 2, 4)).astype(np.float32)
+  x = rng.standard_normal((2, 6, 6, 32)).astype(np.float32)
+  w = rng.standard_normal((3, 3, 16, 32)).astype(np.float32)
   kwargs = dict(dimension_numbers=NHWC, feature_group_count=2)
   got = mpx.fp8.fp8_conv_general_dilated(x, w, (1, 1), "SAME", **kwargs)
   want = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", **kwargs)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-  w = rng.standard_normal((3, 3, 4, 4)).astype(np.float32)
+  w = rng.standard_normal((3, 3, 32, 32)).astype(np.float32)
   kwargs = dict(dimension_numbers=NHWC, lhs_dilation=(2, 2))
   got = mpx.fp8.fp8_conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), **kwargs)
   want = jax.lax.conv_general_dilated(x, w, (1, 1), ((1, 1), (1, 1)), **kwargs)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  # A 3-channel stem: cuDNN's float8 kernels read 16 channels at a time.
+  x, w = x[..., :3], rng.standard_normal((7, 7, 3, 32)).astype(np.float32)
+  got = mpx.fp8.fp8_conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=NHWC)
+  want = jax.lax.conv_general_dilated(x, w, (2, 2), "SAME", dimension_numbers=NHWC)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
@@ -170,9 +176,9 @@ def test_outputs_and_gradients_reach_20_db_on_tensors_with_outliers(scaling):
 
 def test_delayed_state_gradient_is_the_observed_amax():
   rng = np.random.default_rng(3)
-  x = jnp.asarray(rng.standard_normal((2, 6, 6, 3)) * 4, jnp.float32)
-  w = jnp.asarray(rng.standard_normal((3, 3, 3, 5)), jnp.float32)
-  g = jnp.asarray(rng.standard_normal((2, 6, 6, 5)), jnp.float32)
+  x = jnp.asarray(rng.standard_normal((2, 6, 6, 16)) * 4, jnp.float32)
+  w = jnp.asarray(rng.standard_normal((3, 3, 16, 16)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((2, 6, 6, 16)), jnp.float32)
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
   state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
 
@@ -191,14 +197,14 @@ def test_delayed_state_gradient_is_the_observed_amax():
 class _LinenCnn(nn.Module):
   @nn.compact
   def __call__(self, x):
-    x = nn.relu(nn.Conv(8, (3, 3), name="conv")(x))
-    return nn.Conv(4, (1, 1), strides=(2, 2), name="proj")(x)
+    x = nn.relu(nn.Conv(32, (3, 3), name="conv")(x))
+    return nn.Conv(16, (1, 1), strides=(2, 2), name="proj")(x)
 
 
 class _NnxCnn(nnx.Module):
   def __init__(self, rngs):
-    self.conv = nnx.Conv(3, 8, (3, 3), rngs=rngs)
-    self.proj = nnx.Conv(8, 4, (1, 1), strides=(2, 2), rngs=rngs)
+    self.conv = nnx.Conv(16, 32, (3, 3), rngs=rngs)
+    self.proj = nnx.Conv(32, 16, (1, 1), strides=(2, 2), rngs=rngs)
 
   def __call__(self, x):
     return self.proj(nnx.relu(self.conv(x)))
@@ -218,7 +224,7 @@ def _fp8_cnn_reference(params, x, recipe=None, state=None):
 
 
 def _x():
-  return jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, 8, 3)), jnp.float32)
+  return jnp.asarray(np.random.default_rng(4).standard_normal((2, 8, 8, 16)), jnp.float32)
 
 
 def test_linen_conv_under_mixed_float8_is_the_float8_convolution():
@@ -300,9 +306,9 @@ def test_nnx_delayed_histories_record_the_amaxes():
 @pytest.mark.parametrize("keep", ["weight_grad", "all"])
 def test_kept_backward_products_multiply_the_dequantised_operands(keep):
   rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.standard_normal((2, 8, 8, 4)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((3, 3, 4, 6)) * 0.1, jnp.bfloat16)
-  g = jnp.asarray(rng.standard_normal((2, 4, 4, 6)) * 1e-3, jnp.bfloat16)
+  x = jnp.asarray(rng.standard_normal((2, 8, 8, 16)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((3, 3, 16, 16)) * 0.1, jnp.bfloat16)
+  g = jnp.asarray(rng.standard_normal((2, 4, 4, 16)) * 1e-3, jnp.bfloat16)
   kwargs = dict(window_strides=(2, 2), padding="SAME", dimension_numbers=NHWC)
   recipe = mpx.Fp8Recipe(keep_backward=keep)
   got = _conv_and_gradients(

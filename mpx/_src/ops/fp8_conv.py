@@ -36,9 +36,11 @@ scales are powers of two, so each product is that of ``ml_dtypes``' roundings
 of ``x / s``, times the scales, summed in float32.
 
 Covered: any number of spatial axes, any strides, padding and kernel
-dilation, any dimension numbers. Not covered (run by ``jax.lax.conv_general_dilated``
-in the compute dtype): input dilation (transposed convolutions), feature or
-batch groups (depthwise convolutions), and the rowwise and MXFP8 recipes.
+dilation, any dimension numbers, input and output feature counts that are
+multiples of 16. Not covered (run by ``jax.lax.conv_general_dilated`` in the
+compute dtype): other feature counts (a 3-channel stem), input dilation
+(transposed convolutions), feature or batch groups (depthwise convolutions),
+and the rowwise and MXFP8 recipes.
 Core module: imports neither Flax nor optax.
 """
 
@@ -60,6 +62,8 @@ from mpx._src.ops.quantize import E4M3, E5M2, amax, dequantize, quantize
 from mpx._src.recipe import Fp8Recipe
 
 Pads = tuple[tuple[int, int], ...]
+
+_CHANNEL_MULTIPLE = 16  # float8 channels per 16-byte vector
 
 
 def _canonical_dims(n: int) -> jax.lax.ConvDimensionNumbers:
@@ -293,6 +297,7 @@ def covers(
   feature_group_count: int = 1,
   batch_group_count: int = 1,
   recipe: Fp8Recipe | None = None,
+  features: tuple[int, int] | None = None,
 ) -> bool:
   """Whether :func:`fp8_conv_general_dilated` runs a convolution with these settings in float8.
 
@@ -301,9 +306,13 @@ def covers(
     feature_group_count: feature groups (depthwise convolutions have many).
     batch_group_count: batch groups.
     recipe: the float8 recipe; ``None`` means current scaling.
+    features: ``(input features, output features)``, if known.
 
   Returns:
-    ``False`` for input dilation, groups, and the rowwise and MXFP8 recipes.
+    ``False`` for input dilation, groups, the rowwise and MXFP8 recipes, and
+    feature counts that are not multiples of 16 (a 3-channel stem, say): XLA
+    hands those to cuDNN's float8 convolution unpadded, and float8 Tensor
+    Core kernels read channels in 16-byte vectors.
   """
   recipe = Fp8Recipe() if recipe is None else recipe
   return (
@@ -311,6 +320,7 @@ def covers(
     and feature_group_count == 1
     and batch_group_count == 1
     and not (recipe.rowwise or recipe.block_scaled)
+    and (features is None or all(f % _CHANNEL_MULTIPLE == 0 for f in features))
   )
 
 
@@ -349,8 +359,9 @@ def fp8_conv_general_dilated(
   Usable as a Flax ``Conv``'s ``conv_general_dilated`` (``functools.partial``
   with a recipe); :func:`mpx.linen.apply_policy` and :func:`mpx.nnx.apply_policy`
   install it for policies with a per-tensor ``fp8`` recipe. Convolutions it
-  does not cover (:func:`covers`: input dilation, groups) run as
-  ``jax.lax.conv_general_dilated`` in the compute dtype.
+  does not cover (:func:`covers`: feature counts not multiples of 16, input
+  dilation, groups) run as ``jax.lax.conv_general_dilated`` in the compute
+  dtype.
 
   Args:
     lhs: the input.
@@ -383,11 +394,14 @@ def fp8_conv_general_dilated(
       "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
       "does this for you)."
     )
+  dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+  features = (rhs.shape[dn.rhs_spec[1]], rhs.shape[dn.rhs_spec[0]])
   if not covers(
     lhs_dilation=lhs_dilation,
     feature_group_count=feature_group_count,
     batch_group_count=batch_group_count,
     recipe=recipe,
+    features=features,
   ):
     return jax.lax.conv_general_dilated(
       lhs,
@@ -403,7 +417,6 @@ def fp8_conv_general_dilated(
       preferred_element_type,
     )
   n = lhs.ndim - 2
-  dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
   lhs_perm = (dn.lhs_spec[0], *dn.lhs_spec[2:], dn.lhs_spec[1])
   rhs_perm = (*dn.rhs_spec[2:], dn.rhs_spec[1], dn.rhs_spec[0])
   out_perm = (dn.out_spec[0], *dn.out_spec[2:], dn.out_spec[1])

@@ -12,6 +12,7 @@ from mpx._src.adapters.linen import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
 from mpx._src.adapters.linen import PolicyModel as PolicyModel
 from mpx._src.adapters.linen import apply_policy as apply_policy
 from mpx._src.adapters.linen_fp8 import FP8_COLLECTION as FP8_COLLECTION
+from mpx._src.adapters.linen_fp8 import Fp8ConvGeneralDilated as Fp8ConvGeneralDilated
 from mpx._src.adapters.linen_fp8 import Fp8DotGeneral as Fp8DotGeneral
 from mpx._src.diagnostics.linen_taps import collect_activations as collect_activations
 from mpx._src.diagnostics.linen_taps import locate_nonfinite as locate_nonfinite
@@ -19,6 +20,7 @@ from mpx._src.diagnostics.linen_taps import locate_nonfinite as locate_nonfinite
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
   "FP8_COLLECTION",
+  "Fp8ConvGeneralDilated",
   "Fp8DotGeneral",
   "PolicyModel",
   "apply_policy",

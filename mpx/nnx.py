@@ -9,6 +9,7 @@ default.
 
 from mpx._src.adapters.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
 from mpx._src.adapters.nnx import apply_policy as apply_policy
+from mpx._src.adapters.nnx_fp8 import Fp8ConvGeneralDilated as Fp8ConvGeneralDilated
 from mpx._src.adapters.nnx_fp8 import Fp8DotGeneral as Fp8DotGeneral
 from mpx._src.adapters.nnx_fp8 import Fp8Einsum as Fp8Einsum
 from mpx._src.adapters.nnx_fp8 import Fp8History as Fp8History
@@ -17,6 +18,7 @@ from mpx._src.diagnostics.nnx_taps import locate_nonfinite as locate_nonfinite
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
+  "Fp8ConvGeneralDilated",
   "Fp8DotGeneral",
   "Fp8Einsum",
   "Fp8History",

@@ -2,8 +2,10 @@
 
 Under a policy with a :class:`mpx.Fp8Recipe`, the linen and NNX adapters give
 the layers left at Flax's default contraction :func:`mpx.fp8.fp8_dot_general`
-instead; a layer with a contraction of its own (a custom ``dot_general`` or
-``dot_general_cls``) keeps it. Each adapter stores a delayed recipe's amax
+instead, and the convolutions left at Flax's default
+:func:`mpx.fp8.fp8_conv_general_dilated`; a layer with a contraction of its
+own (a custom ``dot_general``, ``dot_general_cls``, ``conv_general_dilated``
+or ``conv_general_dilated_cls``) keeps it. Each adapter stores a delayed recipe's amax
 histories its own way (linen variables, NNX ``Variable`` attributes), under
 the names :data:`HISTORY_NAMES`; the rest is here, Flax-free.
 """
@@ -19,13 +21,20 @@ import jax.numpy as jnp
 
 from mpx._src import recipe as recipe_lib
 from mpx._src.ops import fp8 as fp8_lib
-from mpx._src.ops import kernels
+from mpx._src.ops import fp8_conv, kernels
 
 HISTORY_NAMES = ("lhs", "rhs", "grad")
 """The amax histories of one delayed-scaling contraction, in the order of its ``state``."""
 
 # JAX's own contraction and mpx's float32-accumulating one: the defaults a float8 policy replaces.
 _REPLACEABLE_DOTS = (None, jax.lax.dot_general, kernels.dot_general_f32_accumulation)
+
+# Likewise for convolutions.
+_REPLACEABLE_CONVS = (
+  None,
+  jax.lax.conv_general_dilated,
+  kernels.conv_general_dilated_f32_accumulation,
+)
 
 History = tuple[jax.Array, jax.Array, jax.Array]
 
@@ -45,6 +54,41 @@ def uses_default_dot(fields: Mapping[str, Any]) -> bool:
     and fields["dot_general"] in _REPLACEABLE_DOTS
     and fields.get("dot_general_cls") is None
   )
+
+
+def uses_default_conv(fields: Mapping[str, Any], recipe: recipe_lib.Fp8Recipe) -> bool:
+  """Whether a layer's ``conv_general_dilated`` is a default that ``recipe`` replaces.
+
+  Args:
+    fields: the layer's attributes by name (``vars(layer)``).
+    recipe: the layer's float8 recipe.
+
+  Returns:
+    ``True`` for a layer with a ``conv_general_dilated`` left at JAX's (or mpx's float32-accumulating)
+    and no ``conv_general_dilated_cls``, under a per-tensor recipe (current
+    or delayed; see :func:`mpx.fp8.fp8_conv_general_dilated`).
+  """
+  return (
+    "conv_general_dilated" in fields
+    and fields["conv_general_dilated"] in _REPLACEABLE_CONVS
+    and fields.get("conv_general_dilated_cls") is None
+    and fp8_conv.covers(recipe=recipe)
+  )
+
+
+def conv_general_dilated(
+  recipe: recipe_lib.Fp8Recipe, state: History | None = None
+) -> Callable[..., Any]:
+  """:func:`mpx.fp8.fp8_conv_general_dilated` with ``recipe`` (and a delayed recipe's histories) bound.
+
+  Args:
+    recipe: the float8 recipe.
+    state: the ``(lhs, rhs, grad)`` amax histories of a delayed recipe.
+
+  Returns:
+    A ``conv_general_dilated``.
+  """
+  return functools.partial(fp8_conv.fp8_conv_general_dilated, recipe=recipe, state=state)
 
 
 def dot_general(recipe: recipe_lib.Fp8Recipe, state: History | None = None) -> Callable[..., Any]:

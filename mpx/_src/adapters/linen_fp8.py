@@ -1,9 +1,10 @@
-"""The linen layers' float8 contraction: ``Fp8DotGeneral``, and ``nn.Einsum``'s body in float8.
+"""The linen layers' float8 contraction: ``Fp8DotGeneral``, ``Fp8ConvGeneralDilated``, ``nn.Einsum``'s body.
 
 Under a policy with a :class:`mpx.Fp8Recipe`, the linen adapter
 (``mpx._src.adapters.linen``) gives ``Dense`` and ``DenseGeneral`` copies a
-float8 ``dot_general`` here; a delayed recipe's amax histories are linen
-variables in the ``"fp8_history"`` collection. Linen's ``Einsum`` has no
+float8 ``dot_general`` here, and ``Conv`` copies a float8 ``conv_general_dilated``;
+a delayed recipe's amax histories are linen variables in the ``"fp8_history"``
+collection. Linen's ``Einsum`` has no
 ``dot_general`` knob, so the adapter runs its body from :func:`einsum_call`.
 What is shared with the NNX adapter is in ``mpx._src.adapters.fp8_wiring``.
 """
@@ -25,6 +26,34 @@ from mpx._src.ops import fp8 as fp8_lib
 
 FP8_COLLECTION = "fp8_history"
 """The linen collection that holds the amax histories of delayed fp8 scaling."""
+
+
+class Fp8ConvGeneralDilated(nn.Module):
+  """A ``conv_general_dilated`` with float8 operands whose delayed-scaling state is linen variables.
+
+  :func:`mpx.linen.apply_policy` installs it as the ``conv_general_dilated_cls`` of
+  ``Conv`` layers under a policy with a delayed :class:`mpx.Fp8Recipe`, with the
+  same three histories as :class:`Fp8DotGeneral` (``lhs``, ``rhs``, ``grad``).
+
+  Attributes:
+    recipe: the delayed-scaling recipe.
+  """
+
+  recipe: recipe_lib.Fp8Recipe
+
+  @nn.compact
+  def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    """Computes :func:`mpx.fp8.fp8_conv_general_dilated` with this layer's histories.
+
+    Args:
+      *args: as for ``jax.lax.conv_general_dilated``.
+      **kwargs: as for ``jax.lax.conv_general_dilated``.
+
+    Returns:
+      The convolution.
+    """
+    conv = fp8_wiring.conv_general_dilated(self.recipe, _histories(self, self.recipe))
+    return conv(*args, **kwargs)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -85,7 +114,9 @@ def configure(
   *,
   set_field: Callable[[nn.Module, str, Any], None],
 ) -> None:
-  """Gives a ``Dense`` / ``DenseGeneral`` copy a float8 ``dot_general`` (left alone if customised).
+  """Gives a ``Dense`` / ``DenseGeneral`` copy a float8 ``dot_general``, a ``Conv`` copy a float8 convolution.
+
+  A layer with its own contraction (or convolution) keeps it.
 
   Args:
     module: the layer's copy for this call.
@@ -96,6 +127,20 @@ def configure(
   attention = fp8_wiring.attention_fn(recipe, getattr(module, "attention_fn", None))
   if attention is not None:
     set_field(module, "attention_fn", attention)
+  # ConvLocal's unshared kernels are no convolution: only Conv's shared weights go float8.
+  if (
+    "conv_general_dilated_cls" in fields
+    and getattr(module, "shared_weights", False)
+    and fp8_wiring.uses_default_conv(vars(module), recipe)
+  ):
+    if recipe.delayed:
+      set_field(module, "conv_general_dilated", None)
+      set_field(
+        module, "conv_general_dilated_cls", functools.partial(Fp8ConvGeneralDilated, recipe=recipe)
+      )
+    else:
+      set_field(module, "conv_general_dilated", fp8_wiring.conv_general_dilated(recipe))
+    return
   # Delayed scaling goes through dot_general_cls: only a layer with that field takes it.
   if "dot_general_cls" not in fields or not fp8_wiring.uses_default_dot(vars(module)):
     return

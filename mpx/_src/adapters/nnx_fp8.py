@@ -1,8 +1,9 @@
-"""The NNX layers' float8 contraction: ``Fp8DotGeneral``, ``Fp8Einsum`` and their ``Fp8History``.
+"""The NNX layers' float8 contractions: ``Fp8DotGeneral``, ``Fp8Einsum``, ``Fp8ConvGeneralDilated``, ``Fp8History``.
 
 Under a policy with a :class:`mpx.Fp8Recipe`, the NNX adapter
 (``mpx._src.adapters.nnx``) gives ``Linear``, ``LinearGeneral`` and ``Einsum``
-layers a float8 ``dot_general`` / ``einsum_op`` here; a delayed recipe's amax
+layers a float8 ``dot_general`` / ``einsum_op`` here, and ``Conv`` layers a
+float8 ``conv_general_dilated``; a delayed recipe's amax
 histories are :class:`Fp8History` variables of the module installed in the
 layer. What is shared with the linen adapter is in
 ``mpx._src.adapters.fp8_wiring``.
@@ -67,6 +68,22 @@ class Fp8DotGeneral(nnx.Module):
     return fp8_wiring.dot_general(self.recipe, self._histories())(*args, **kwargs)
 
 
+class Fp8ConvGeneralDilated(Fp8DotGeneral):
+  """A ``conv_general_dilated`` for ``nnx.Conv`` with :class:`Fp8DotGeneral`'s histories."""
+
+  def __call__(self, *args: Any, **kwargs: Any) -> jax.Array:
+    """Computes :func:`mpx.fp8.fp8_conv_general_dilated` with this layer's histories.
+
+    Args:
+      *args: as for ``jax.lax.conv_general_dilated``.
+      **kwargs: as for ``jax.lax.conv_general_dilated``.
+
+    Returns:
+      The convolution.
+    """
+    return fp8_wiring.conv_general_dilated(self.recipe, self._histories())(*args, **kwargs)
+
+
 class Fp8Einsum(Fp8DotGeneral):
   """An ``einsum_op`` for ``nnx.Einsum`` whose contraction is :class:`Fp8DotGeneral`'s."""
 
@@ -84,13 +101,13 @@ class Fp8Einsum(Fp8DotGeneral):
 
 
 def _stack_shape(module: nnx.Module) -> tuple[int, ...]:
-  """The leading axes of a ``Linear``, ``LinearGeneral`` or ``Einsum`` built under ``nnx.vmap``.
+  """The leading axes of a ``Linear``, ``LinearGeneral``, ``Einsum`` or ``Conv`` built under ``nnx.vmap``.
 
   ``nnx.vmap`` stacks the kernel but leaves the layer's static fields as one
   layer's, so the axes the kernel has beyond what those fields give are the
   stack's. ``()`` for a layer built alone, or inside the vmapped constructor.
   """
-  if "kernel_shape" in vars(module):  # Einsum
+  if "kernel_shape" in vars(module):  # Einsum, Conv
     ndim = len(module.kernel_shape)  # pyright: ignore[reportAttributeAccessIssue]
   elif "batch_axis" in vars(module):  # LinearGeneral
     fields: Any = module
@@ -102,7 +119,7 @@ def _stack_shape(module: nnx.Module) -> tuple[int, ...]:
 
 
 def configure(module: nnx.Module, recipe: recipe_lib.Fp8Recipe) -> None:
-  """Gives a ``Linear``, ``LinearGeneral`` or ``Einsum`` a float8 contraction (not if customised).
+  """Gives a ``Linear``, ``LinearGeneral``, ``Einsum`` or ``Conv`` a float8 contraction (not if customised).
 
   Args:
     module: the layer.
@@ -112,7 +129,13 @@ def configure(module: nnx.Module, recipe: recipe_lib.Fp8Recipe) -> None:
   attention = fp8_wiring.attention_fn(recipe, fields.get("attention_fn"))
   if attention is not None:
     module.attention_fn = attention  # pyright: ignore[reportAttributeAccessIssue]
-  if fp8_wiring.uses_default_dot(fields):
+  if fp8_wiring.uses_default_conv(fields, recipe):
+    if recipe.delayed:
+      conv = Fp8ConvGeneralDilated(recipe, batch_shape=_stack_shape(module))
+      module.conv_general_dilated = nnx.data(conv)  # pyright: ignore[reportAttributeAccessIssue]
+    else:
+      module.conv_general_dilated = fp8_wiring.conv_general_dilated(recipe)  # pyright: ignore[reportAttributeAccessIssue]
+  elif fp8_wiring.uses_default_dot(fields):
     if recipe.delayed:
       dot = Fp8DotGeneral(recipe, batch_shape=_stack_shape(module))
       module.dot_general = nnx.data(dot)  # pyright: ignore[reportAttributeAccessIssue]

@@ -282,13 +282,14 @@ def _scaled_dot(
   (ac, bc), (ab, bb) = dimension_numbers
   a_free = a.ndim - len(ac) - len(ab)
   b_free = b.ndim - len(bc) - len(bb)
-  # Per-row scales are not a GEMM epilogue XLA fuses: the product is written
-  # out before they apply. Written in ``dtype`` when its range is float32's
-  # (bfloat16), it takes half the bytes (the GEMM still accumulates in
-  # float32), and a power-of-two scale commutes with the rounding: the result
-  # is the same down to bfloat16's smallest normal number.
-  per_row = a_scale.ndim > 0 or b_scale.ndim > 0
-  in_dtype = per_row and scale_dtype(dtype) == dtype
+  # The product comes out in ``dtype`` when its range is float32's (bfloat16):
+  # the GEMM still accumulates in float32, and a power-of-two scale commutes
+  # with the rounding, so the result is the same down to bfloat16's smallest
+  # normal number. What it saves: per-row scales are no epilogue XLA fuses, so
+  # the product is written out before they apply (half the bytes in
+  # bfloat16); and when the contraction is sharded (FSDP's weight gradient),
+  # the partial products are what XLA reduce-scatters (bfloat16, not float32).
+  in_dtype = scale_dtype(dtype) == dtype
   product = jax.lax.dot_general(
     a,
     b,

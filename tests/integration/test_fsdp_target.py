@@ -1,0 +1,125 @@
+"""A Llama-style decoder trained fully sharded (FSDP) over 2 hosts x 8 H100s, as XLA:GPU compiles it.
+
+The blocks run under ``nn.scan`` over ``nn.remat`` (``tests/models.LlamaDecoder``); every param
+large enough is sharded over all 16 GPUs along its largest divisible axis, and the optimizer
+state (float32 masters where the policy has them, adamw's moments) follows its param. The step is
+compiled for the ``2xh100x8`` target without a GPU (deviceless, no autotuning) and its collectives
+are read from the optimised program: the dtypes the weights are gathered in and the gradients
+reduce-scattered in are XLA's choice, and these tests pin that it is the compute dtype (float8 for
+the weights under ``mixed_float8``), never float32.
+"""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import models
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import mpx
+from mpx._src.audit import compiled as compiled_lib
+from mpx._src.audit import targets
+
+pytestmark = pytest.mark.skipif(
+  not targets.plugin_available(), reason="jax's CUDA plugin (the gpu-target extra) is missing"
+)
+
+BATCH, LENGTH = 32, 64
+
+
+def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
+  """The largest axis divisible by the device count, sharded; small leaves replicated."""
+  axes = [d for d in range(len(shape)) if shape[d] % devices == 0]
+  if not axes or np.prod(shape) < 4096:
+    return P()
+  spec = [None] * len(shape)
+  spec[max(axes, key=lambda d: shape[d])] = "data"
+  return P(*spec)
+
+
+def _compile(policy: str):
+  mesh = Mesh(np.array(targets.devices(targets.parse("2xh100x8"))), ("data",))
+  devices = mesh.devices.size
+  model = mpx.linen.apply_policy(
+    models.LlamaDecoder(vocab_size=512, features=256, num_heads=4, num_layers=2, mlp_hidden=512),
+    policy,
+  )
+  tokens = jax.ShapeDtypeStruct((BATCH, LENGTH + 1), jnp.int32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
+  params = variables.pop("params")
+  tx = mpx.mixed_precision(optax.adamw(1e-4), policy)
+  opt_state = jax.eval_shape(tx.init, params)
+
+  def sharded(x, spec):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  param_specs = jax.tree.map(lambda x: _fsdp_spec(x.shape, devices), params)
+  structure = jax.tree.structure(params)
+
+  def state_leaf(node):  # a param-shaped part of the state takes the params' shardings
+    if jax.tree.structure(node) == structure:
+      return jax.tree.map(sharded, node, param_specs)
+    return jax.tree.map(lambda x: sharded(x, P()), node)
+
+  state = jax.tree.map(state_leaf, opt_state, is_leaf=lambda n: jax.tree.structure(n) == structure)
+
+  def loss_fn(params, rest, tokens):
+    logits = model.apply({"params": params, **rest}, tokens[:, :-1])
+    labels = tokens[:, 1:]
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+  def step(params, opt_state, rest, tokens):
+    loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, rest, tokens)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+
+  args = (
+    jax.tree.map(sharded, params, param_specs),
+    state,
+    jax.tree.map(lambda x: sharded(x, P()), variables),
+    sharded(tokens, P("data")),
+  )
+  with jax.numpy_dtype_promotion("standard"):  # optax's adam as users run it
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*args).compile()
+  bytes_by = collections.Counter()
+  for c in compiled_lib.collectives(compiled.as_text()):
+    bytes_by[c["kind"], np.dtype(c["dtype"]).name] += c["bytes"]
+  return bytes_by, params
+
+
+@pytest.mark.parametrize(
+  "policy,gathered",
+  [
+    ("mixed_bfloat16", {"bfloat16"}),
+    ("mixed_float16", {"float16"}),
+    ("mixed_float8", {"float8_e4m3fn", "bfloat16"}),  # the head stays bfloat16
+  ],
+)
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype(policy, gathered):
+  bytes_by, params = _compile(policy)
+  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))  # float32 params
+  replicated = sum(x.size for x in jax.tree.leaves(params) if _fsdp_spec(x.shape, 16) == P())
+  # Float values only: under float16 the finite check gathers its per-row flags (bool,
+  # one byte per 32 gradient elements; docs/guide/multihost.md).
+  gathers = {
+    dtype: b for (kind, dtype), b in bytes_by.items() if kind == "all-gather" and dtype != "bool"
+  }
+  # The weights are gathered in the compute dtype (float8 under mixed_float8).
+  assert sum(gathers.get(d, 0) for d in gathered) >= 0.9 * sum(gathers.values()), bytes_by
+  if policy == "mixed_float8":
+    assert gathers["float8_e4m3fn"] > gathers.get("bfloat16", 0)  # the fp8 all-gather
+  # No float32 weight is gathered: under float16 the loss scaling's per-row float32
+  # vectors are, a few KiB; masters and moments stay sharded.
+  assert gathers.get("float32", 0) < 0.01 * param_bytes, bytes_by
+  # The gradients are reduce-scattered in half precision (mixed_float8 reduce-scattered
+  # them in float32 while its weight-gradient products came out in float32).
+  half = "float16" if policy == "mixed_float16" else "bfloat16"
+  assert bytes_by["reduce-scatter", half] > 0, bytes_by
+  assert bytes_by["reduce-scatter", "float32"] < 0.01 * param_bytes, bytes_by
+  # What is all-reduced in float32: the gradients of the small replicated leaves (norm
+  # scales), the loss, the finite check's scalars.
+  assert bytes_by["all-reduce", "float32"] <= 4 * replicated + 64, bytes_by

@@ -28,7 +28,7 @@ REFERENCE_CODES = {
   "int8": ((np.int8, True, 2, 127.0), (np.uint8, False, 4, 255.0)),
   "float8_e4m3fn": (
     (ml_dtypes.float8_e4m3fn, True, 1, 448.0),
-    (ml_dtypes.float8_e4m3fn, False, 2, 448.0),
+    (ml_dtypes.float8_e4m3fn, False, 1, 448.0),
   ),
 }
 

@@ -218,6 +218,17 @@ def with_master_params(
     Array([1.001, 1.001], dtype=float16)
     >>> state.master_params["w"].dtype
     dtype('float32')
+    >>> tx = mpx.with_master_params(optax.sgd(1.0), remainder=True)
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> for _ in range(10):
+    ...   grads = {"w": jnp.full(2, -1e-4, jnp.bfloat16)}
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = mpx.apply_updates(params, updates, state)
+    >>> params["w"], state.remainders["w"].dtype
+    (Array([1, 1], dtype=bfloat16), dtype('int16'))
+    >>> mpx.get_master_params(state, params)["w"]  # the float32 master, 1 + 10 * bf16(1e-4)
+    Array([1.0010014, 1.0010014], dtype=float32)
   """
   master_dtype = dtypes_lib.parse_dtype(master_dtype)
   if remainder:

@@ -177,21 +177,22 @@ def _check_params(params: optax.Params) -> None:
       )
 
 
-def with_remainder_masters(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+def with_remainder_masters(
+  inner: optax.GradientTransformation,
+) -> optax.GradientTransformationExtraArgs:
   """Float32 masters of bfloat16 params, stored as 16-bit remainders (see ``with_master_params``)."""
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> RemainderMastersState:
     _check_params(params)
     remainders = jax.tree.map(
-      lambda p: jnp.zeros_like(p, jnp.int16)
-      if tree_lib.is_floating_array(p) and p.dtype == BF16
-      else None,
+      lambda p: (
+        jnp.zeros_like(p, jnp.int16) if tree_lib.is_floating_array(p) and p.dtype == BF16 else None
+      ),
       params,
     )
     remainders = tree_lib.place_state(remainders, params)
-    state = RemainderMastersState(remainders, None)
-    weights = state.weights(params)
+    weights = RemainderMastersState(remainders, ()).weights(params)
     inner_state = tree_lib.place_state(inner.init(weights), weights)
     return RemainderMastersState(remainders, inner_state)
 

@@ -11,8 +11,7 @@ import optax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
-from mpx._src.optim import base
-from mpx._src.optim import low_bit
+from mpx._src.optim import base, low_bit
 
 
 def _is_moment(leaf: Any) -> bool:
@@ -188,9 +187,11 @@ def with_state_dtype(
   magnitudes down to 1/16,000 of the block's largest, where a linear code
   stops at 1/254), float8 stores ``448 x / scale`` in E4M3. The second
   moment ``nu`` (selected by its field name) is non-negative and enters the
-  update as ``sqrt(nu)``, so it is stored through its square root on the
-  full unsigned range: uint8 ``round(255 (nu / scale)**(1/4))``, float8
-  ``448 sqrt(nu / scale)``; a positive ``nu`` never reads back as zero. Smaller
+  update as ``sqrt(nu)``: int8 stores the square root of its square root on
+  the full unsigned range, uint8 ``round(255 (nu / scale)**(1/4))``; float8
+  stores ``448 nu / scale`` in E4M3, whose exponent spans ``sqrt(nu)`` over
+  2**8.9 (coding ``sqrt(nu)`` instead measured 0.009 nats worse on the demo);
+  a positive ``nu`` never reads back as zero. Smaller
   moments (norm scales, biases) stay float32. Bytes per parameter with adamw:
   about 2.03 (two codes, a scale per 256 of each). On the demo's transformer
   the loss stays within 0.02 nats of float32 moments
@@ -231,6 +232,10 @@ def with_state_dtype(
     >>> state = tx.init({"w": jnp.ones(3)})
     >>> state[0].mu["w"].dtype, state[0].nu["w"].dtype, state[0].count.dtype
     (dtype(bfloat16), dtype(bfloat16), dtype('int32'))
+    >>> tx = mpx.with_state_dtype(optax.adam(1e-3), state_dtype="int8")
+    >>> mu = tx.init({"w": jnp.ones((64, 64))})[0].mu["w"]
+    >>> mu.codes.dtype, mu.codes.shape, mu.scales.shape
+    (dtype('int8'), (64, 64), (16,))
 
   References:
     Zamirai, Zhang, Aberger, De Sa, *Revisiting BFloat16 Training*, 2020

@@ -132,7 +132,9 @@ def _loss_scaling(
     _check_grads(updates, params)
     if rule.kind == "none":  # a scale of 1: nothing to unscale, check or skip
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-      return _in_param_dtypes(new_updates, params, inner_state), state._replace(inner_state=inner_state)
+      return _in_param_dtypes(new_updates, params, inner_state), state._replace(
+        inner_state=inner_state
+      )
 
     misuse.warn_if_unscaled(updates, params, state.loss_scale)
     ok, leaf = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)

@@ -105,8 +105,8 @@ def keeps_wide_updates(opt_state: optax.OptState) -> bool:
   bfloat16 params (``float32(p) + u`` rounds exactly onto the param its
   remainder is kept for); wrappers around it must pass them on unnarrowed.
   """
-  state = find_half_params_state(opt_state)
-  return bool(getattr(state, "wide_updates", False))
+  found = tree_lib.find_nodes(opt_state, HalfParamsState)
+  return any(getattr(node, "wide_updates", False) for _, node in found)
 
 
 def find_master_params(opt_state: optax.OptState) -> optax.Params | None:

@@ -124,10 +124,26 @@ def _nbytes(tree: Any) -> int:
   return sum(x.size * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _params(settings: demo.Settings, data: Data) -> Any:
-  """The demo's float32 initial params (``mpx.linen.apply_policy`` casts them per policy)."""
-  init = settings.jit(demo.CharTransformer(settings.model).init)
-  return init(jax.random.key(settings.seed), data.train[0, :, :-1])["params"]
+_INITS: dict[str, tuple[Any, Any]] = {}
+
+
+def _model_and_params(policy: str, settings: demo.Settings, data: Data) -> tuple[Any, Any]:
+  """The demo's model under ``policy`` and its initial params, as ``python -m mpx.demo`` builds them.
+
+  ``mpx.linen.apply_policy`` samples the params in float32 and stores them in the policy's param
+  dtype, except the LayerNorm scales and biases, which stay float32.
+  """
+  if policy not in _INITS:  # one compiled init per policy (one settings and data per run)
+    model = mpx.linen.apply_policy(demo.CharTransformer(settings.model), policy)
+    params = settings.jit(model.init)(jax.random.key(settings.seed), data.train[0, :, :-1])
+    _INITS[policy] = model, params["params"]
+  return _INITS[policy]
+
+
+def _train_param_count(settings: demo.Settings) -> int:
+  model = demo.CharTransformer(settings.model)
+  tokens = jax.ShapeDtypeStruct((1, settings.model.max_len), jnp.int32)
+  return sum(x.size for x in jax.tree.leaves(jax.eval_shape(model.init, jax.random.key(0), tokens)))
 
 
 def bytes_per_param(
@@ -165,9 +181,9 @@ def _fingerprint(params: Any) -> jax.Array:
   return jnp.stack(out)
 
 
-def train(layout: Layout, params: Any, settings: demo.Settings, data: Data) -> dict[str, Any]:
-  """Trains the demo's model from ``params`` under ``layout``: its losses and param fingerprints."""
-  model = mpx.linen.apply_policy(demo.CharTransformer(settings.model), layout.policy)
+def train(layout: Layout, settings: demo.Settings, data: Data) -> dict[str, Any]:
+  """Trains the demo's model under ``layout``: its losses and per-step param fingerprints."""
+  model, params = _model_and_params(layout.policy, settings, data)
   tx = layout.wrap(_inner(settings))
   opt_state = tx.init(params)
   global_tokens = float(settings.global_batch_tokens)
@@ -218,16 +234,20 @@ def main() -> None:
   steps = args.steps or (3 if args.smoke else settings.steps)
   settings = dataclasses.replace(settings, steps=steps)
   data = demo.make_data(settings, demo.load_corpus())
-  f32_params = _params(settings, data)
-
+  demo_param_count = _train_param_count(settings)
   rows: dict[str, dict[str, Any]] = {}
   for layout in LAYOUTS:
     policy = mpx.get_policy(layout.policy)
-    params = policy.cast_to_param(f32_params)
+    if args.smoke:  # shapes and dtypes only: no compiled init for the rows not trained
+      model = mpx.linen.apply_policy(demo.CharTransformer(settings.model), layout.policy)
+      tokens = jax.ShapeDtypeStruct(data.train[0, :, :-1].shape, jnp.int32)
+      params = jax.eval_shape(model.init, jax.random.key(0), tokens)["params"]
+    else:
+      params = _model_and_params(layout.policy, settings, data)[1]
     row = bytes_per_param(layout, params, args.min_size, concrete=not args.smoke)
     rows[layout.name] = {"policy": str(policy), **row, "trained": layout.smoke or not args.smoke}
     if rows[layout.name]["trained"]:
-      rows[layout.name].update(train(layout, params, settings, data))
+      rows[layout.name].update(train(layout, settings, data))
       print(f"  {layout.name}: {rows[layout.name]['seconds']:.1f} s", flush=True)
 
   ref_val = rows["fp32 training"]["val_loss"]
@@ -261,7 +281,7 @@ def main() -> None:
       "steps": steps,
       "smoke": args.smoke,
       "min_size": args.min_size,
-      "param_count": sum(x.size for x in jax.tree.leaves(f32_params)),
+      "param_count": demo_param_count,
       "jax": jax.__version__,
       "machine": platform.machine(),
       "device": str(jax.devices()[0].device_kind),

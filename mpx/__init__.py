@@ -32,12 +32,14 @@ from mpx._src.ops.kernels import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import softmax as softmax
 from mpx._src.optim.kahan import KahanState as KahanState
 from mpx._src.optim.kahan import with_kahan_summation as with_kahan_summation
+from mpx._src.optim.low_bit import QuantizedMoment as QuantizedMoment
 from mpx._src.optim.masters import MasterParamsState as MasterParamsState
 from mpx._src.optim.masters import apply_updates as apply_updates
 from mpx._src.optim.masters import with_master_params as with_master_params
 from mpx._src.optim.mixed_precision import check_state as check_state
 from mpx._src.optim.mixed_precision import get_master_params as get_master_params
 from mpx._src.optim.mixed_precision import mixed_precision as mixed_precision
+from mpx._src.optim.remainder import RemainderMastersState as RemainderMastersState
 from mpx._src.optim.state_dtype import with_state_dtype as with_state_dtype
 from mpx._src.optim.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
 from mpx._src.optim.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
@@ -114,6 +116,8 @@ __all__ = (
   "Policy",
   "PolicyError",
   "PrecisionWarning",
+  "QuantizedMoment",
+  "RemainderMastersState",
   "StateError",
   "StochasticRoundingState",
   "TreeStructureError",

@@ -353,3 +353,39 @@ def test_fp8_speed_smoke(tmp_path):
     "e4m3 x e4m3 -> f32 acc",
   ]
   assert not [r for r in report["gemms"] if "error" in r]
+
+
+def test_optimizer_memory_smoke(tmp_path):
+  """``optimizer_memory.py --smoke``: every layout's bytes, two rows trained on the quick model."""
+  out = tmp_path / "optimizer_memory_smoke.json"
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / "optimizer_memory.py"), "--smoke", "--out", out],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = json.loads(out.read_text())["rows"]
+  assert rows["(b) bf16 params + f32 masters"]["large_leaves_total"] == pytest.approx(
+    14.0, abs=0.01
+  )
+  assert rows["(d) bf16 + remainder masters"]["large_leaves_total"] == pytest.approx(12.0, abs=0.01)
+  assert rows["(e) remainder masters + int8 moments"]["large_leaves_total"] <= 6.1
+  trained = [name for name, row in rows.items() if row["trained"]]
+  assert trained == ["fp32 training", "(e) remainder masters + int8 moments"]
+  assert all(np.isfinite(rows[name]["val_loss"]) for name in trained)
+
+
+def test_optimizer_memory_results_meet_the_targets_and_docs_quote_them():
+  """The committed full run: 8-bit moments' loss gap, remainder + int8 bytes, the docs table."""
+  report = json.loads((ROOT / "benchmarks" / "results" / "optimizer_memory.json").read_text())
+  rows = report["rows"]
+  assert not report["settings"]["smoke"] and report["settings"]["steps"] == 300
+  assert abs(rows["(a) + int8 moments"]["val_gap_to_fp32"]) <= 0.02
+  assert abs(rows["(e) remainder masters + int8 moments"]["val_gap_to_fp32"]) <= 0.02
+  assert rows["(e) remainder masters + int8 moments"]["large_leaves_total"] <= 6.1
+  doc = (ROOT / "docs" / "memory.md").read_text()
+  for name, row in rows.items():
+    assert f"| {name} | {row['large_leaves_total']:.2f} |" in doc, name
+    assert f"{row['val_gap_to_fp32']:+.3f}" in doc, name

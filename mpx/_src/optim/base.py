@@ -98,6 +98,17 @@ def find_half_params_state(opt_state: optax.OptState) -> Any:
   return found[0] if found else None
 
 
+def keeps_wide_updates(opt_state: optax.OptState) -> bool:
+  """Whether ``opt_state``'s half-params state returns updates wider than the params on purpose.
+
+  ``mpx.with_master_params(..., remainder=True)`` returns float32 updates of
+  bfloat16 params (``float32(p) + u`` rounds exactly onto the param its
+  remainder is kept for); wrappers around it must pass them on unnarrowed.
+  """
+  found = tree_lib.find_nodes(opt_state, HalfParamsState)
+  return any(getattr(node, "wide_updates", False) for _, node in found)
+
+
 def find_master_params(opt_state: optax.OptState) -> optax.Params | None:
   """Returns the master params held in ``opt_state``, or ``None`` if it has none.
 

@@ -13,6 +13,7 @@ from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
 from mpx._src.optim import base
+from mpx._src.optim import remainder as remainder_lib
 
 
 class MasterParamsState(NamedTuple):
@@ -119,6 +120,7 @@ def with_master_params(
   inner: optax.GradientTransformation,
   *,
   master_dtype: dtypes_lib.DTypeLike = jnp.float32,
+  remainder: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Keeps float32 master copies of half-precision params (paper section 3.1).
 
@@ -160,20 +162,47 @@ def with_master_params(
   Put loss scaling outside this wrapper (``mpx.mixed_precision`` does), so
   that a skipped step leaves the masters untouched.
 
+  **Remainder masters** (``remainder=True``, bfloat16 params): the state keeps
+  no float32 copy but an int16 *remainder* per bfloat16 param
+  (:class:`mpx.RemainderMastersState`), and the float32 master is
+  ``(param_bits << 16) + remainder`` in 32-bit integer arithmetic, bit for
+  bit: 4 bytes per parameter for param and master instead of 6. Each step
+  rebuilds the masters, runs ``inner`` on them in float32, adds its updates in
+  float32, and sets each param to the bfloat16 number nearest to its new
+  master (halfway cases away from zero, the one rounding under which a 16-bit
+  remainder can recover every float32 master; ``astype`` rounds them to even,
+  so the params differ from layout (b)'s only for a master whose low 16 bits
+  are exactly ``0x8000`` and whose lower neighbour is even). The remainder is
+  taken relative to ``param + update`` as ``optax.apply_updates`` rounds it,
+  so either apply call works. The master is exact whenever that sum lands on
+  the new param, which it does whenever the old and new param are within a
+  factor of two of each other, either is zero, or both are subnormal (see
+  above); a weight that crosses zero or shrinks more than twofold in one step
+  and misses keeps the float32 value nearest to its master that its param
+  can reach. Float32 params get no remainder; float16 params are an error.
+  Wrap it with ``mpx.mixed_precision(..., master_dtype=None)``, as the layout
+  (c) wrappers, and store the moments in 8 bits for about 6 bytes per
+  parameter: ``mpx.with_master_params(mpx.with_state_dtype(optax.adamw(lr),
+  state_dtype="int8"), remainder=True)``.
+
   Args:
     inner: the optimizer to run in ``master_dtype``, e.g. ``optax.adamw(3e-4)``.
     master_dtype: the dtype of masters, gradients and moments; at least as
-      wide as every floating param.
+      wide as every floating param. Float32 with ``remainder=True``.
+    remainder: store each bfloat16 param's master as an int16 remainder beside
+      the param instead of a float32 copy.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` whose state is a
-    :class:`MasterParamsState` and whose ``update`` requires ``params`` and
-    forwards extra arguments to ``inner``.
+    :class:`MasterParamsState` (a :class:`mpx.RemainderMastersState` with
+    ``remainder=True``) and whose ``update`` requires ``params`` and forwards
+    extra arguments to ``inner``.
 
   Raises:
     PolicyError: ``master_dtype`` is not a floating dtype mpx supports.
-    ConfigError: at ``init``, a floating param is wider than ``master_dtype``;
-      at ``update``, ``params`` is missing.
+    ConfigError: at ``init``, a floating param is wider than ``master_dtype``
+      (with ``remainder=True``: a floating param is float16, or
+      ``master_dtype`` is not float32); at ``update``, ``params`` is missing.
     StateError: at ``update``, the state's masters do not fit the params.
 
   Example:
@@ -189,8 +218,27 @@ def with_master_params(
     Array([1.001, 1.001], dtype=float16)
     >>> state.master_params["w"].dtype
     dtype('float32')
+    >>> tx = mpx.with_master_params(optax.sgd(1.0), remainder=True)
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> for _ in range(10):
+    ...   grads = {"w": jnp.full(2, -1e-4, jnp.bfloat16)}
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = mpx.apply_updates(params, updates, state)
+    >>> params["w"], state.remainders["w"].dtype
+    (Array([1, 1], dtype=bfloat16), dtype('int16'))
+    >>> mpx.get_master_params(state, params)["w"]  # the float32 master, 1 + 10 * bf16(1e-4)
+    Array([1.0010014, 1.0010014], dtype=float32)
   """
   master_dtype = dtypes_lib.parse_dtype(master_dtype)
+  if remainder:
+    if master_dtype != dtypes_lib.F32:
+      raise errors.ConfigError(
+        f"mpx.with_master_params(..., remainder=True, master_dtype={master_dtype}): a "
+        "remainder beside a bfloat16 param holds a float32 master exactly, no other dtype. "
+        "Leave master_dtype at its default (jnp.float32), or pass remainder=False."
+      )
+    return remainder_lib.with_remainder_masters(inner)
   inner = optax.with_extra_args_support(inner)
 
   def init_fn(params: optax.Params) -> MasterParamsState:
@@ -250,6 +298,14 @@ def with_master_params(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
+def _wide(p: Any, u: Any) -> bool:
+  return (
+    tree_lib.is_floating_array(p)
+    and tree_lib.is_floating_array(u)
+    and u.dtype.itemsize > p.dtype.itemsize
+  )
+
+
 def apply_updates(
   params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
 ) -> optax.Params:
@@ -280,6 +336,14 @@ def apply_updates(
   Raises:
     StateError: ``opt_state``'s masters do not have the structure of ``params``.
   """
+  if base.keeps_wide_updates(opt_state):
+    # Float32 updates of bfloat16 params (remainder masters): added in float32 and rounded,
+    # as optax.apply_updates does too, but under strict dtype promotion as well.
+    return jax.tree.map(
+      lambda p, u: remainder_lib.add(p, u) if _wide(p, u) else optax.apply_updates(p, u),
+      params,
+      updates,
+    )
   masters = base.find_master_params(opt_state)
   if masters is None:
     return optax.apply_updates(params, updates)

@@ -15,6 +15,7 @@ import optax
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import tree as tree_lib
+from mpx._src.optim import base as half_params
 from mpx._src.scaling import finite_check, misuse
 from mpx._src.scaling import rules as scale_rules
 from mpx._src.scaling.state import LossScaleState
@@ -36,8 +37,10 @@ def multiply(tree: Any, factor: jax.Array) -> Any:
   return jax.tree.map(one, tree)
 
 
-def _in_param_dtypes(updates: Any, params: Any) -> Any:
-  if params is None:
+def _in_param_dtypes(updates: Any, params: Any, inner_state: Any) -> Any:
+  # Remainder masters return float32 updates of bfloat16 params on purpose: only a float32
+  # update lands a weight that crosses zero exactly on the param its remainder is kept for.
+  if params is None or half_params.keeps_wide_updates(inner_state):
     return updates
 
   def one(u: Any, p: Any) -> Any:
@@ -129,7 +132,9 @@ def _loss_scaling(
     _check_grads(updates, params)
     if rule.kind == "none":  # a scale of 1: nothing to unscale, check or skip
       new_updates, inner_state = inner.update(updates, state.inner_state, params, **extra_args)
-      return _in_param_dtypes(new_updates, params), state._replace(inner_state=inner_state)
+      return _in_param_dtypes(new_updates, params, inner_state), state._replace(
+        inner_state=inner_state
+      )
 
     misuse.warn_if_unscaled(updates, params, state.loss_scale)
     ok, leaf = finite_check.finite_after_unscale(updates, state.loss_scale, axis_name=axis_name)
@@ -137,7 +142,7 @@ def _loss_scaling(
     new_updates, inner_state = inner.update(grads, state.inner_state, params, **extra_args)
     # p + (-0.0) is p bitwise for every p, -0.0 included; p + 0.0 is not.
     new_updates = jax.tree.map(
-      lambda u: jnp.where(ok, u, -0.0), _in_param_dtypes(new_updates, params)
+      lambda u: jnp.where(ok, u, -0.0), _in_param_dtypes(new_updates, params, inner_state)
     )
     inner_state = _select(ok, inner_state, state.inner_state)
     return new_updates, _next_state(rule, state, ok, leaf, inner_state)

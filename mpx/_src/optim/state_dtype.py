@@ -133,8 +133,8 @@ def parse_state_dtype(state_dtype: Any) -> np.dtype:
 
 def with_state_dtype(
   inner: optax.GradientTransformation,
-  *,
   state_dtype: dtypes_lib.DTypeLike | str,
+  *,
   block_size: int = 256,
   min_size: int = 4096,
 ) -> optax.GradientTransformationExtraArgs:

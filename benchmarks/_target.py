@@ -359,6 +359,8 @@ def docs_section(single: dict[str, Any], multi: dict[str, Any] | None) -> str:
     "",
     "```",
     _command(single),
+    # rows of later runs merged into the JSON, each with the command that made them
+    *(f"JAX_PLATFORMS=cpu {c}" for c in single.get("merged_commands", [])),
     *([_command(multi)] if multi else []),
     "python benchmarks/run.py --write-docs   # this section, from the JSON of the two runs",
     "```",

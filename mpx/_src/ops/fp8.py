@@ -422,6 +422,22 @@ def _kept(
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+def checked_recipe(recipe: Fp8Recipe | None, state: Any) -> Fp8Recipe:
+  """``recipe`` (current scaling if ``None``), checked against the state passed with it.
+
+  Raises:
+    ConfigError: a delayed recipe without state, or state without one.
+  """
+  recipe = Fp8Recipe() if recipe is None else recipe
+  if recipe.delayed != (state is not None):
+    raise errors.ConfigError(
+      f"The fp8 recipe {recipe} {'needs' if recipe.delayed else 'takes no'} amax history "
+      "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
+      "does this for you)."
+    )
+  return recipe
+
+
 def fp8_dot_general(
   lhs: jax.Array,
   rhs: jax.Array,
@@ -468,13 +484,7 @@ def fp8_dot_general(
     ConfigError: a delayed recipe without state, or state without one.
   """
   del unused
-  recipe = Fp8Recipe() if recipe is None else recipe
-  if recipe.delayed != (state is not None):
-    raise errors.ConfigError(
-      f"The fp8 recipe {recipe} {'needs' if recipe.delayed else 'takes no'} amax history "
-      "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
-      "does this for you)."
-    )
+  recipe = checked_recipe(recipe, state)
   out_dtype = np.dtype(preferred_element_type or lhs.dtype)
   (lc, rc), (lb, rb) = dimension_numbers
   dims = ((tuple(lc), tuple(rc)), (tuple(lb), tuple(rb)))  # hashable: a static argument

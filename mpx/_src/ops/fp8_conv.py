@@ -55,7 +55,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src import errors
 from mpx._src.ops import fp8 as fp8_lib
 from mpx._src.ops.amax_grad import fp8_max_grad
 from mpx._src.ops.quantize import E4M3, E5M2, amax, dequantize, quantize
@@ -387,13 +386,7 @@ def fp8_conv_general_dilated(
     ConfigError: a delayed recipe without state, or state without one.
   """
   del unused
-  recipe = Fp8Recipe() if recipe is None else recipe
-  if recipe.delayed != (state is not None):
-    raise errors.ConfigError(
-      f"The fp8 recipe {recipe} {'needs' if recipe.delayed else 'takes no'} amax history "
-      "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
-      "does this for you)."
-    )
+  recipe = fp8_lib.checked_recipe(recipe, state)
   dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
   features = (rhs.shape[dn.rhs_spec[1]], rhs.shape[dn.rhs_spec[0]])
   if not covers(

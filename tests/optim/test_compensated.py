@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
+from checkpoints import round_trip
 from optax_compat import standard_promotion
 
 import mpx
@@ -552,12 +552,8 @@ def test_orbax_round_trip_resumes_bitwise(wrap, tmp_path):
   state = tx.init(params)
   for seed in range(3):
     params, state = step(params, state, seed)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-    ckpt.wait_until_finished()
   target = jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)})
-  with ocp.StandardCheckpointer() as ckpt:
-    restored = ckpt.restore(tmp_path / "ckpt", target)
+  restored = round_trip(tmp_path, {"params": params, "opt_state": state}, target)
   chex.assert_trees_all_equal(restored, {"params": params, "opt_state": state})
   chex.assert_trees_all_equal_dtypes(restored, {"params": params, "opt_state": state})
   assert type(restored["opt_state"].inner_state) is type(state.inner_state)

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 import pytest
+from checkpoints import round_trip
 from hypothesis import strategies as st
 from optax_compat import standard_promotion
 
@@ -258,12 +258,8 @@ def test_check_state_and_orbax_round_trip_resume_bitwise(tmp_path):
   for seed in range(3):
     params, state = step(params, state, seed)
   mpx.check_state(state, params, BF16, master_dtype=None, state_dtype="int8")
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(tmp_path / "ckpt", {"params": params, "opt_state": state})
-    ckpt.wait_until_finished()
   target = jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)})
-  with ocp.StandardCheckpointer() as ckpt:
-    restored = ckpt.restore(tmp_path / "ckpt", target)
+  restored = round_trip(tmp_path, {"params": params, "opt_state": state}, target)
   chex.assert_trees_all_equal(restored, {"params": params, "opt_state": state})
   chex.assert_trees_all_equal_dtypes(restored, {"params": params, "opt_state": state})
   assert type(restored["opt_state"].inner_state) is mpx.RemainderMastersState

@@ -44,6 +44,7 @@ from mpx._src.optim.state_dtype import with_state_dtype as with_state_dtype
 from mpx._src.optim.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
 from mpx._src.optim.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
 from mpx._src.parallel import all_reduce_gradients as all_reduce_gradients
+from mpx._src.parallel import state_shardings as state_shardings
 from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
 from mpx._src.recipe import Fp8Recipe as Fp8Recipe
@@ -144,6 +145,7 @@ __all__ = (
   "nonfinite_gradient_paths",
   "scale",
   "softmax",
+  "state_shardings",
   "static_loss_scale",
   "unscale",
   "value_and_grad",

@@ -272,3 +272,89 @@ def test_an_inf_in_one_devices_batch_skips_the_step_on_every_device(report):
   assert skip["skipped_per_device"] == [1, 1, 1, 1]
   assert skip["scale_per_device"] == [skip["scale_before"] / 2] * 4
   assert skip["rows_equal"] and skip["params_untouched"]
+
+
+# ---------------------------------------------------------------------------
+# mpx.state_shardings: the optimizer state placed like the params.
+# ---------------------------------------------------------------------------
+
+
+def _sharded_params(dtype=jnp.bfloat16):
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+  specs = {"w1": P("data", "model"), "w2": P(None, "data"), "b": P()}
+  shapes = {"w1": (64, 128), "w2": (128, 64), "b": (64,)}
+  return {
+    k: jax.device_put(jnp.ones(shapes[k], dtype), NamedSharding(mesh, specs[k])) for k in specs
+  }
+
+
+def _specs(tree):
+  # Trailing Nones do not change a placement; strip them to compare specs.
+  def norm(s):
+    parts = list(s.spec)
+    while parts and parts[-1] is None:
+      parts.pop()
+    return jax.sharding.PartitionSpec(*parts)  # a pytree leaf, unlike a tuple
+
+  return jax.tree.map(norm, tree, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+
+
+@pytest.mark.parametrize(
+  "name",
+  ["mixed_precision_adam", "kahan_adamw", "int8_moments", "chain_over_a_tuple"],
+)
+def test_state_shardings_agree_with_the_eager_init_placement(name):
+  import optax
+  from jax.sharding import PartitionSpec as P
+
+  params = _sharded_params()
+  policy = "params=bfloat16,compute=bfloat16,output=float32"
+  if name == "mixed_precision_adam":
+    tx = mpx.mixed_precision(optax.adam(1e-3), policy)
+  elif name == "kahan_adamw":
+    tx = mpx.with_kahan_summation(optax.adamw(1e-3))
+  elif name == "int8_moments":
+    params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    tx = mpx.with_state_dtype(optax.adam(1e-3), "int8", min_size=1024)
+  else:  # optax.chain's state is a tuple, like these params: it must not pass for them
+    params = (params["w1"], params["w2"])
+    tx = optax.chain(optax.scale_by_adam(), optax.scale(-1e-3))
+  state = tx.init(params)
+  shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+  assert jax.tree.structure(shardings) == jax.tree.structure(state)
+  specs = _specs(shardings)
+  if name == "chain_over_a_tuple":  # optax's own init: no placement of its own to compare
+    assert specs[0].mu == specs[0].nu == (P("data", "model"), P(None, "data"))
+    assert specs[0].count == P()
+    return
+  # mpx's eager init places its state on the params (tree.place_state): the same specs.
+  assert specs == _specs(jax.tree.map(lambda a: a.sharding, state))
+  for spec, leaf in zip(jax.tree.leaves(specs), jax.tree.leaves(state), strict=True):
+    if leaf.ndim == 0:  # counts, the loss scale: replicated
+      assert spec == P()
+  assert P("data", "model") in jax.tree.leaves(specs)
+
+
+def test_state_shardings_shard_quantised_codes_like_the_param_and_flat_scales_not():
+  import optax
+
+  params = jax.tree.map(lambda p: p.astype(jnp.float32), _sharded_params())
+  tx = mpx.with_state_dtype(optax.adam(1e-3), "int8", min_size=1024)
+  shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+  mu = shardings[0].mu["w1"]
+  assert isinstance(mu, mpx.QuantizedMoment)
+  assert tuple(mu.codes.spec) == ("data", "model")
+  # One scale per block of the flattened moment: no axis of the param's size to share.
+  assert tuple(s for s in mu.scales.spec if s is not None) == ()
+
+
+def test_state_shardings_need_named_shardings_and_name_the_leaf():
+  import optax
+
+  params = {"layer": {"kernel": jnp.ones((4, 4))}}
+  tx = optax.adam(1e-3)
+  with pytest.raises(mpx.ConfigError, match=r"'layer/kernel'.*NamedSharding"):
+    mpx.state_shardings(jax.eval_shape(tx.init, params), params)

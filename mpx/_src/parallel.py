@@ -1,4 +1,4 @@
-"""Data-parallel gradient reduction in a narrow dtype, for ``shard_map`` train steps.
+"""Sharded training: gradient reduction in a narrow dtype, and where the optimizer state lives.
 
 Under ``shard_map`` data parallelism each device holds the gradients of its own
 shard of the batch, and one all-reduce averages them. Its bytes are the
@@ -160,3 +160,132 @@ def all_reduce_gradients(
   # One psum over the whole tree: XLA sends it as a single (tuple) all-reduce.
   summed = jax.lax.psum(shares, axis_name)
   return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, grads)
+
+
+def _param_like(structure: jax.tree_util.PyTreeDef, shapes: list[tuple[int, ...]]) -> Any:
+  """The predicate that finds the param-shaped parts of an optimizer state.
+
+  A node is param-shaped when it has the params' structure (a master copy,
+  a moment, a Kahan buffer), or has it down to the params' positions with one
+  small container of arrays at each (a quantised moment's codes and scales),
+  the first of which has its param's shape.
+  """
+
+  def is_param_like(node: Any) -> bool:
+    if structure.num_nodes == 1:  # the params are one array
+      return tree_lib.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
+    if jax.tree.structure(node) == structure:
+      return True
+    try:
+      parts = structure.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return False
+    for part, shape in zip(parts, shapes, strict=True):
+      children = jax.tree.leaves(part)
+      nodes = jax.tree.structure(part).num_nodes
+      if nodes not in (1, len(children) + 1):
+        return False  # nested containers: a whole sub-state, not one param's part
+      if not children or getattr(children[0], "shape", None) != shape:
+        return False
+    return True
+
+  return is_param_like
+
+
+def state_shardings(state: Any, params: Any) -> Any:
+  """Shardings for an optimizer state that place its param-shaped parts like their params.
+
+  Masters, moments, Kahan compensation buffers, remainders and quantised
+  moments are shaped like the params; sharded like them, the optimizer's
+  elementwise update runs where each shard lives and nothing is gathered
+  (FSDP keeps its memory savings for the float32 copies too). Everything
+  else (step counts, the loss scale and its counters, schedule state) is a
+  small array, replicated on the params' mesh, so every device takes the
+  same skip decision.
+
+  An eager ``tx.init(params)`` on sharded params already places its state
+  this way; under ``jit`` (``jax.jit(tx.init, out_shardings=...)``), under
+  ``jax.eval_shape`` for a deviceless compile, or to restore a checkpoint
+  onto another mesh, use this function for the shardings. Under
+  ``jax.shard_map`` take their specs:
+  ``jax.tree.map(lambda s: s.spec, state_shardings(state, params))``.
+
+  The rule, for each leaf of a param-shaped part: a leaf of its param's shape
+  takes the param's sharding; a smaller one (a quantised moment's per-block
+  scales) keeps the param's mesh axes on its leading axes of the same size
+  and is unsharded elsewhere. A Flax model's other collections (batch
+  statistics, the ``"fp8_history"`` amax histories, a few scalars per layer)
+  are not optimizer state: give them your own (usually replicated) shardings.
+
+  Args:
+    state: the optimizer state, as arrays or as ``jax.ShapeDtypeStruct``
+      (``jax.eval_shape(tx.init, params)``).
+    params: the params it was built for, as arrays or ``jax.ShapeDtypeStruct``
+      whose ``sharding`` is a ``NamedSharding`` (all on one mesh).
+
+  Returns:
+    A tree of ``NamedSharding`` with the structure of ``state``, usable as
+    ``out_shardings`` of ``jit``, as the shardings of ``ShapeDtypeStruct``
+    targets for ``jit(...).lower`` or an orbax restore.
+
+  Raises:
+    ConfigError: a leaf of ``params`` has no ``NamedSharding`` (give them
+      one: ``jax.device_put(params, shardings)``, or
+      ``jax.ShapeDtypeStruct(shape, dtype, sharding=...)``).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, mpx
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> w = jnp.ones((4, 2), jnp.bfloat16)
+    >>> params = {"w": jax.device_put(w, NamedSharding(mesh, P("data")))}
+    >>> tx = mpx.mixed_precision(optax.adam(1e-3), "params=bfloat16,compute=bfloat16")
+    >>> shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+    >>> shardings.inner_state.master_params["w"].spec
+    P('data',)
+    >>> shardings.loss_scale.spec  # replicated
+    P()
+  """
+  flat, structure = jax.tree_util.tree_flatten_with_path(params)
+  mesh = None
+  for path, leaf in flat:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+      raise errors.ConfigError(
+        f"params leaf {tree_lib.path_str(path)!r} has sharding {sharding!r}, not a "
+        "NamedSharding: mpx.state_shardings places the state like the params, so give every "
+        "param a NamedSharding first (jax.device_put(params, shardings), or "
+        "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)))."
+      )
+    mesh = mesh or sharding.mesh
+  if mesh is None:
+    raise errors.ConfigError("params has no array leaves: there is nothing to place the state by.")
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  shapes = [tuple(leaf.shape) for _, leaf in flat]
+  is_param_like = _param_like(structure, shapes)
+
+  def like(param: Any, part: Any) -> Any:
+    sharding = param.sharding
+
+    def leaf_sharding(x: Any) -> Any:
+      if tuple(x.shape) == tuple(param.shape):
+        return sharding
+      spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+      axes = [
+        spec[i] if i < param.ndim and x.shape[i] == param.shape[i] else None
+        for i in range(len(x.shape))
+      ]
+      return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*axes))
+
+    return jax.tree.map(leaf_sharding, part)
+
+  def place(node: Any) -> Any:
+    if is_param_like(node):
+      parts = structure.flatten_up_to(node) if structure.num_nodes > 1 else [node]
+      placed = [like(p, part) for (_, p), part in zip(flat, parts, strict=True)]
+      if structure.num_nodes == 1:
+        return placed[0] if tuple(node.shape) == shapes[0] else replicated
+      return jax.tree.unflatten(structure, placed)
+    return jax.tree.map(lambda _: replicated, node)
+
+  return jax.tree.map(place, state, is_leaf=is_param_like)

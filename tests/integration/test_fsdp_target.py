@@ -58,14 +58,12 @@ def _compile(policy: str):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
   param_specs = jax.tree.map(lambda x: _fsdp_spec(x.shape, devices), params)
-  structure = jax.tree.structure(params)
-
-  def state_leaf(node):  # a param-shaped part of the state takes the params' shardings
-    if jax.tree.structure(node) == structure:
-      return jax.tree.map(sharded, node, param_specs)
-    return jax.tree.map(lambda x: sharded(x, P()), node)
-
-  state = jax.tree.map(state_leaf, opt_state, is_leaf=lambda n: jax.tree.structure(n) == structure)
+  abstract_params = jax.tree.map(sharded, params, param_specs)
+  state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    opt_state,
+    mpx.state_shardings(opt_state, abstract_params),
+  )
 
   def loss_fn(params, rest, tokens):
     logits = model.apply({"params": params, **rest}, tokens[:, :-1])
@@ -78,7 +76,7 @@ def _compile(policy: str):
     return mpx.apply_updates(params, updates, opt_state), opt_state, loss
 
   args = (
-    jax.tree.map(sharded, params, param_specs),
+    abstract_params,
     state,
     jax.tree.map(lambda x: sharded(x, P()), variables),
     sharded(tokens, P("data")),

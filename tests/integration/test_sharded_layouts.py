@@ -67,17 +67,6 @@ _SCRIPT = textwrap.dedent(
         updates, opt_state = tx.update(grads, opt_state, params)
         return mpx.apply_updates(params, updates, opt_state), opt_state, loss
 
-    def state_shardings(param_shardings):
-        # Every param-shaped part of the state (masters, mu, nu) takes the params'
-        # shardings; the scalars (loss scale, counters) are replicated.
-        structure = jax.tree.structure(params0)
-        is_param_like = lambda n: jax.tree.structure(n) == structure
-        abstract = jax.eval_shape(tx.init, params0)
-        replicated = NamedSharding(mesh, P())
-        return jax.tree.map(
-            lambda n: param_shardings if is_param_like(n) else replicated, abstract, is_leaf=is_param_like
-        )
-
     SHAPE = re.compile(r"\\b(pred|s32|u32|f16|bf16|f32)\\[([0-9,]*)\\]")
     COLLECTIVE = re.compile(
         r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\\("
@@ -106,10 +95,10 @@ _SCRIPT = textwrap.dedent(
     report = {}
     for name, specs in LAYOUTS.items():
         psh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
-        ssh = state_shardings(psh)
+        params = jax.device_put(params0, psh)
+        ssh = mpx.state_shardings(jax.eval_shape(tx.init, params0), params)
         bsh = NamedSharding(mesh, P("data"))
         rep = NamedSharding(mesh, P())
-        params = jax.device_put(params0, psh)
         opt_state = jax.jit(tx.init, out_shardings=ssh)(params)
         sharded = jax.jit(step, in_shardings=(psh, ssh, bsh), out_shardings=(psh, ssh, rep),
                           donate_argnums=(0, 1))

@@ -10,9 +10,11 @@ the weights under ``mixed_float8``), never float32.
 """
 
 import collections
+import functools
 
 import jax
 import jax.numpy as jnp
+import layouts
 import models
 import numpy as np
 import optax
@@ -31,22 +33,19 @@ pytestmark = pytest.mark.skipif(
 BATCH, LENGTH = 32, 64
 
 
-def _fsdp_spec(shape: tuple[int, ...], devices: int) -> P:
-  """The largest axis divisible by the device count, sharded; small leaves replicated."""
-  axes = [d for d in range(len(shape)) if shape[d] % devices == 0]
-  if not axes or np.prod(shape) < 4096:
-    return P()
-  spec = [None] * len(shape)
-  spec[max(axes, key=lambda d: shape[d])] = "data"
-  return P(*spec)
+# FSDP over all 16 GPUs; or FSDP across the 2 hosts and tensor parallelism within each.
+LAYOUTS = {"fsdp": {"data": 16}, "fsdp_tp": {"data": 2, "model": 8}}
 
 
-def _compile(policy: str):
-  mesh = Mesh(np.array(targets.devices(targets.parse("2xh100x8"))), ("data",))
-  devices = mesh.devices.size
+@functools.cache
+def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = False):
+  axes = LAYOUTS[layout]
+  devices = np.array(targets.devices(targets.parse("2xh100x8"))).reshape(tuple(axes.values()))
+  mesh = Mesh(devices, tuple(axes))
   model = mpx.linen.apply_policy(
     models.LlamaDecoder(vocab_size=512, features=256, num_heads=4, num_layers=2, mlp_hidden=512),
     policy,
+    accumulate_in_float32=accumulate_in_float32,
   )
   tokens = jax.ShapeDtypeStruct((BATCH, LENGTH + 1), jnp.int32)
   variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
@@ -57,7 +56,7 @@ def _compile(policy: str):
   def sharded(x, spec):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
-  param_specs = jax.tree.map(lambda x: _fsdp_spec(x.shape, devices), params)
+  param_specs = layouts.llama_specs(params, axes)
   abstract_params = jax.tree.map(sharded, params, param_specs)
   state = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
@@ -86,7 +85,12 @@ def _compile(policy: str):
   bytes_by = collections.Counter()
   for c in compiled_lib.collectives(compiled.as_text()):
     bytes_by[c["kind"], np.dtype(c["dtype"]).name] += c["bytes"]
-  return bytes_by, params
+  replicated = sum(
+    x.size
+    for x, spec in zip(jax.tree.leaves(params), jax.tree.leaves(param_specs), strict=True)
+    if spec == P()
+  )
+  return bytes_by, params, replicated
 
 
 @pytest.mark.parametrize(
@@ -98,9 +102,8 @@ def _compile(policy: str):
   ],
 )
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype(policy, gathered):
-  bytes_by, params = _compile(policy)
+  bytes_by, params, replicated = _compile(policy)
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))  # float32 params
-  replicated = sum(x.size for x in jax.tree.leaves(params) if _fsdp_spec(x.shape, 16) == P())
   # Float values only: under float16 the finite check gathers its per-row flags (bool,
   # one byte per 32 gradient elements; docs/guide/multihost.md).
   gathers = {
@@ -121,3 +124,34 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype
   # What is all-reduced in float32: the gradients of the small replicated leaves (norm
   # scales), the loss, the finite check's scalars.
   assert bytes_by["all-reduce", "float32"] <= 4 * replicated + 64, bytes_by
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
+def test_fsdp_with_tensor_parallelism_moves_activations_and_gradients_in_half_precision(policy):
+  bytes_by, params, _ = _compile(policy, "fsdp_tp")
+  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
+  half = "float16" if policy == "mixed_float16" else "bfloat16"
+  # No master or moment is gathered: the float32 gathers are a few small vectors.
+  assert bytes_by["all-gather", "float32"] < 0.01 * param_bytes, bytes_by
+  # Tensor parallelism reduces each fan-in layer's activations over the model axis, in
+  # the compute dtype.
+  assert bytes_by["all-reduce", half] > 50 * bytes_by["all-reduce", "float32"], bytes_by
+  # The weight gradients left to reduce over the data axis go in half precision.
+  assert bytes_by["reduce-scatter", half] > 10 * bytes_by["reduce-scatter", "float32"], bytes_by
+  # Float32 crosses devices for the loss only: the float32 logits, split over the
+  # vocabulary by the head, are resharded to the batch rows for the cross-entropy.
+  logits_bytes = 4 * (BATCH // LAYOUTS["fsdp_tp"]["data"]) * LENGTH * 512
+  assert bytes_by["all-to-all", "float32"] <= logits_bytes, bytes_by
+
+
+def test_float32_accumulation_makes_the_gradient_reduce_scatter_float32():
+  # The reduction over the data axis is the last stage of the weight-gradient
+  # product's sum over the batch: XLA runs it in the product's output dtype, so the
+  # float32-accumulating matmuls (accumulate_in_float32=True) reduce-scatter in
+  # float32, and the default ones in the compute dtype.
+  half, _, _ = _compile("mixed_bfloat16")
+  wide, _, _ = _compile("mixed_bfloat16", accumulate_in_float32=True)
+  assert wide["reduce-scatter", "float32"] > 1.5 * half["reduce-scatter", "bfloat16"], wide
+  assert wide["reduce-scatter", "bfloat16"] < 0.1 * half["reduce-scatter", "bfloat16"], wide
+  # The weights are still gathered in bfloat16.
+  assert wide["all-gather", "bfloat16"] == half["all-gather", "bfloat16"], wide

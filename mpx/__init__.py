@@ -43,6 +43,7 @@ from mpx._src.optim.remainder import RemainderMastersState as RemainderMastersSt
 from mpx._src.optim.state_dtype import with_state_dtype as with_state_dtype
 from mpx._src.optim.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
 from mpx._src.optim.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
+from mpx._src.parallel import all_gather_params as all_gather_params
 from mpx._src.parallel import all_reduce_gradients as all_reduce_gradients
 from mpx._src.parallel import state_shardings as state_shardings
 from mpx._src.policy import Policy as Policy
@@ -124,6 +125,7 @@ __all__ = (
   "TreeStructureError",
   "accumulate_in_float32",
   "all_finite",
+  "all_gather_params",
   "all_reduce_gradients",
   "apply_updates",
   "audit",

@@ -205,6 +205,45 @@ _SCRIPT = textwrap.dedent(
             "worst_over_bound": float((np.abs(got - want) / bound).max()),
         }
 
+    # FSDP under shard_map: mpx.all_gather_params gathers in the compute dtype and
+    # reduce-scatters the gradients in reduce_dtype; against jax.grad of the whole batch.
+    fsdp_specs = {"w1": P("data", None), "b1": P(), "w2": P(None, "data")}
+    fsdp_params = dict(params, b1=jnp.full(64, 0.1))
+    sharded_params = jax.device_put(
+        fsdp_params, {k: NamedSharding(mesh, v) for k, v in fsdp_specs.items()})
+
+    def mlp_loss(p, x, y):
+        out = (jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2)
+
+    reference = jax.grad(mlp_loss)(fsdp_params, batch["x"], batch["y"])
+    COLLECTIVE = re.compile(r"= (\\w+)\\[[^\\]]*\\][^ ]* (all-gather|reduce-scatter|all-reduce)\\(")
+    report["fsdp"] = {}
+    for dt, rdt, vma in [("float32", None, True), ("bfloat16", None, True),
+                         ("bfloat16", "float32", True), ("float16", None, True),
+                         ("float16", None, False)]:
+        def fsdp_grads(p, x, y, dt=dt, rdt=rdt):
+            def loss(p):
+                full = mpx.all_gather_params(p, fsdp_specs, "data", dtype=dt, reduce_dtype=rdt)
+                return mlp_loss(full, x.astype(dt), y)
+            return jax.grad(loss)(p)
+        fn = jax.jit(jax.shard_map(fsdp_grads, mesh=mesh, in_specs=(fsdp_specs, P("data"), P("data")),
+                                   out_specs=fsdp_specs, check_vma=vma))
+        got = fn(sharded_params, batch["x"], batch["y"])
+        lowered = fn.lower(sharded_params, batch["x"], batch["y"]).as_text(dialect="hlo")
+        report["fsdp"][f"{dt}-{rdt}-{vma}"] = {
+            "collectives": sorted(set(COLLECTIVE.findall(lowered))),
+            "dtypes": sorted({str(g.dtype) for g in jax.tree.leaves(got)}),
+            "shardings_kept": all(
+                got[k].sharding.is_equivalent_to(NamedSharding(mesh, fsdp_specs[k]), got[k].ndim)
+                for k in got
+            ),
+            "relative_error": {
+                k: float(jnp.abs(got[k] - reference[k]).max() / jnp.abs(reference[k]).max())
+                for k in got
+            },
+        }
+
     # Replicated params without pcast: JAX has already summed the gradients.
     def already_summed(params, batch):
         grads = jax.grad(lambda p: jnp.sum(batch["x"] @ p["w1"]))(params)
@@ -272,6 +311,56 @@ def test_an_inf_in_one_devices_batch_skips_the_step_on_every_device(report):
   assert skip["skipped_per_device"] == [1, 1, 1, 1]
   assert skip["scale_per_device"] == [skip["scale_before"] / 2] * 4
   assert skip["rows_equal"] and skip["params_untouched"]
+
+
+_SHORT = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    "float32-None-True",
+    "bfloat16-None-True",
+    "bfloat16-float32-True",
+    "float16-None-True",
+    "float16-None-False",
+  ],
+)
+def test_all_gather_params_gathers_in_dtype_and_reduce_scatters_in_reduce_dtype(report, case):
+  dtype, reduce_dtype, _ = case.split("-")
+  reduce_dtype = dtype if reduce_dtype == "None" else reduce_dtype
+  found = report["fsdp"][case]
+  kinds = {
+    kind: {dt for dt, k in found["collectives"] if k == kind} for _, kind in found["collectives"]
+  }
+  # The sharded weights are gathered in the compute dtype; their gradients come back
+  # reduce-scattered, and the replicated bias's all-reduced, in reduce_dtype.
+  assert kinds["all-gather"] == {_SHORT[dtype]}, found
+  assert kinds["reduce-scatter"] == {_SHORT[reduce_dtype]}, found
+  assert _SHORT[reduce_dtype] in kinds["all-reduce"], found
+  # The mean over the devices of the whole batch's gradients, in the params' dtype and
+  # on their shards: within a few roundings of the compute dtype.
+  assert found["dtypes"] == ["float32"] and found["shardings_kept"]
+  tolerance = 1e-5 if dtype == "float32" else 4 * float(jnp.finfo(dtype).eps)
+  assert max(found["relative_error"].values()) <= tolerance, found
+
+
+def test_all_gather_params_errors_name_the_problem():
+  from jax.sharding import PartitionSpec as P
+
+  params = {"w": jnp.ones((2, 4, 4))}
+
+  def call(specs):
+    return jax.vmap(
+      lambda p: mpx.all_gather_params(p, specs, "data", dtype="bfloat16"), axis_name="data"
+    )(params)
+
+  with pytest.raises(mpx.ConfigError, match=r"'w' is split over \('data', 'model'\)"):
+    call({"w": P(("data", "model"), None)})
+  with pytest.raises(mpx.TreeStructureError, match="structure of params"):
+    call({"v": P("data")})
+  with pytest.raises(mpx.ConfigError, match="not a mapped axis"):
+    mpx.all_gather_params(params, {"w": P("data")}, "data", dtype="bfloat16")
 
 
 # ---------------------------------------------------------------------------

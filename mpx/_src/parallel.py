@@ -36,6 +36,11 @@ def _axis_size(axis_name: Any) -> int:
     ) from None
 
 
+def _varying_axes(x: Any) -> Any:
+  """The mesh axes ``x`` varies along under ``shard_map``'s tracking; ``None`` untracked."""
+  return getattr(getattr(jax.typeof(x), "mat", None), "varying", None)
+
+
 def _check_not_reduced(grads: Any, axis_name: Any) -> None:
   """Raises if ``shard_map`` already summed the gradients over ``axis_name``.
 
@@ -53,7 +58,7 @@ def _check_not_reduced(grads: Any, axis_name: Any) -> None:
   if not check_vma or not all(a in manual for a in axes):
     return
   for path, leaf in jax.tree_util.tree_flatten_with_path(grads)[0]:
-    varying = getattr(getattr(jax.typeof(leaf), "mat", None), "varying", None)
+    varying = _varying_axes(leaf)
     if varying is None or all(a in varying for a in axes):
       continue
     raise errors.ConfigError(
@@ -289,3 +294,142 @@ def state_shardings(state: Any, params: Any) -> Any:
     return jax.tree.map(lambda _: replicated, node)
 
   return jax.tree.map(place, state, is_leaf=is_param_like)
+
+
+def _gathered_dim(spec: Any, axis_name: str, path: str) -> int | None:
+  """The dimension ``spec`` splits over ``axis_name`` (``None``: not split over it)."""
+  found = None
+  for dim, entry in enumerate(tuple(spec)):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if axis_name not in names:
+      continue
+    if len(names) != 1:
+      raise errors.ConfigError(
+        f"params leaf {path!r} is split over {entry!r} along dimension {dim}: "
+        "mpx.all_gather_params gathers one mesh axis, so give the leaf a spec that splits a "
+        f"dimension over {axis_name!r} alone (e.g. P({axis_name!r}, 'model'))."
+      )
+    found = dim
+  return found
+
+
+def _gather_leaf(
+  x: jax.Array, dim: int | None, axis_name: str, dtype: Any, reduce_dtype: Any
+) -> jax.Array:
+  n = _axis_size(axis_name)
+
+  @jax.custom_vjp
+  def gather(x: jax.Array) -> jax.Array:
+    y = x.astype(dtype)
+    if dim is None:
+      varying = _varying_axes(y)
+      if varying is not None and axis_name not in varying:
+        # Varying, so that JAX does not sum the devices' gradients itself (the
+        # transpose of its implicit broadcast) before ``bwd`` averages them.
+        y = jax.lax.pcast(y, axis_name, to="varying")
+      return y
+    return jax.lax.all_gather(y, axis_name, axis=dim, tiled=True)
+
+  def fwd(x: jax.Array) -> tuple[jax.Array, None]:
+    return gather(x), None
+
+  def bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
+    wide = dtypes_lib.at_least_float32(g.dtype)
+    share = (g.astype(wide) / jnp.asarray(n, wide)).astype(reduce_dtype)
+    if dim is None:
+      total = jax.lax.psum(share, axis_name)
+    else:
+      total = jax.lax.psum_scatter(share, axis_name, scatter_dimension=dim, tiled=True)
+    return (total.astype(x.dtype),)
+
+  gather.defvjp(fwd, bwd)
+  return gather(x)
+
+
+def all_gather_params(
+  params: Any,
+  specs: Any,
+  axis_name: str,
+  *,
+  dtype: dtypes_lib.DTypeLike,
+  reduce_dtype: dtypes_lib.DTypeLike | None = None,
+) -> Any:
+  """Gathers fully sharded (FSDP) params inside ``jax.shard_map``, in the compute dtype.
+
+  For FSDP with explicit collectives: each device holds a shard of every
+  large param (the ``in_specs`` of ``shard_map`` split one dimension over
+  ``axis_name``) and gathers the whole param just before using it. Call this
+  inside the loss function, on the params being differentiated:
+
+  * forward: each shard is cast to ``dtype`` (the policy's compute dtype),
+    then all-gathered along its split dimension, so the gather moves half
+    the bytes of a float32 one (paper section 3: the forward runs on half
+    copies of the float32 masters);
+  * backward: each device's gradient of the gathered param, divided by the
+    number of devices in float32, is cast to ``reduce_dtype`` and
+    reduce-scattered back to the shards, then cast to the param's own
+    dtype: the mean over the devices, as :func:`mpx.all_reduce_gradients`
+    takes it. Leaves not split over ``axis_name`` (small replicated norm
+    scales) are cast only, and their gradients all-reduced the same way.
+
+  ``reduce_dtype`` is the choice PyTorch FSDP2 calls ``reduce_dtype``: the
+  compute dtype (the default) halves the bytes of the gradient traffic,
+  ``float32`` sums the devices' contributions without rounding them to half
+  precision first. Dividing before the sum keeps float16 partial sums in
+  range unless a local gradient already overflows (then the step is
+  skipped). Pass ``axis_name`` to the loss-scale transformation too: the
+  reduced gradients are sharded, so each device checks only its shard.
+
+  Args:
+    params: the local shards of the params (a pytree of floating arrays).
+    specs: the ``PartitionSpec`` of each leaf, as given to ``shard_map``'s
+      ``in_specs`` (a tree with the structure of ``params``).
+    axis_name: the mesh axis the params are split over, e.g. ``"data"``.
+    dtype: the dtype to gather in, e.g. ``policy.compute_dtype``.
+    reduce_dtype: the dtype to reduce the gradients in; ``None`` means
+      ``dtype``.
+
+  Returns:
+    The whole params, in ``dtype``, on every device of ``axis_name`` (still
+    split over any other mesh axis, e.g. a tensor-parallel ``"model"``).
+
+  Raises:
+    LeafTypeError: a leaf of ``params`` is not a floating array.
+    TreeStructureError: ``specs`` does not have the structure of ``params``.
+    PolicyError: ``dtype`` or ``reduce_dtype`` is not a floating dtype.
+    ConfigError: ``axis_name`` is not a mapped axis here, or a spec splits a
+      dimension over ``axis_name`` together with another axis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, mpx
+    >>> from jax.sharding import Mesh, PartitionSpec as P
+    >>> mesh = Mesh(jax.devices()[:1], ("data",))
+    >>> specs = {"w": P("data", None)}
+    >>> def loss(params, x):
+    ...   full = mpx.all_gather_params(params, specs, "data", dtype="bfloat16")
+    ...   return jnp.mean((x.astype(jnp.bfloat16) @ full["w"]).astype(jnp.float32) ** 2)
+    >>> grad = jax.shard_map(
+    ...   jax.grad(loss), mesh=mesh, in_specs=(specs, P("data")), out_specs=specs
+    ... )
+    >>> grad({"w": jnp.ones((4, 2))}, jnp.ones((8, 4)))["w"].dtype  # float32, like the param
+    dtype('float32')
+  """
+  tree_lib.check_floating_leaves(params, what="params")
+  is_spec = lambda s: isinstance(s, jax.sharding.PartitionSpec)  # noqa: E731
+  spec_leaves, spec_def = jax.tree.flatten(specs, is_leaf=is_spec)
+  flat, structure = jax.tree_util.tree_flatten_with_path(params)
+  if spec_def != structure or not all(is_spec(s) for s in spec_leaves):
+    raise errors.TreeStructureError(
+      "specs must be a tree of PartitionSpec with the structure of params (the in_specs "
+      f"given to shard_map for them); got {spec_def} for params {structure}."
+    )
+  gather_dtype = dtypes_lib.parse_dtype(dtype)
+  reduce = gather_dtype if reduce_dtype is None else dtypes_lib.parse_dtype(reduce_dtype)
+  _axis_size(axis_name)
+  gathered = [
+    _gather_leaf(
+      x, _gathered_dim(spec, axis_name, tree_lib.path_str(path)), axis_name, gather_dtype, reduce
+    )
+    for (path, x), spec in zip(flat, spec_leaves, strict=True)
+  ]
+  return jax.tree.unflatten(structure, gathered)

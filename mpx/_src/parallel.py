@@ -167,7 +167,7 @@ def all_reduce_gradients(
   return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, grads)
 
 
-def _param_like(structure: jax.tree_util.PyTreeDef, shapes: list[tuple[int, ...]]) -> Any:
+def _param_like(structure: Any, shapes: list[tuple[int, ...]]) -> Any:
   """The predicate that finds the param-shaped parts of an optimizer state.
 
   A node is param-shaped when it has the params' structure (a master copy,

@@ -244,6 +244,41 @@ _SCRIPT = textwrap.dedent(
             },
         }
 
+    # A whole FSDP step under float16 loss scaling: the skip is decided by one pmin of an
+    # int32 scalar, and an inf in one device's rows skips the step on every device.
+    import functools
+    fsdp_tx = mpx.mixed_precision(
+        optax.sgd(0.1), policy,
+        loss_scale=functools.partial(mpx.dynamic_loss_scale, axis_name="data"))
+    fsdp_state = fsdp_tx.init(sharded_params)
+    state_specs = jax.tree.map(
+        lambda s: s.spec, mpx.state_shardings(fsdp_state, sharded_params))
+
+    def fsdp_step(p, s, x, y):
+        def loss(p):
+            full = mpx.all_gather_params(p, fsdp_specs, "data", dtype=policy.compute_dtype)
+            return mlp_loss(full, policy.cast_to_compute(x), y)
+        _, grads = mpx.value_and_grad(loss, s)(p)
+        updates, s = fsdp_tx.update(grads, s, p)
+        return mpx.apply_updates(p, updates, s), s, s.skipped_steps[None]
+
+    step_fn = jax.jit(jax.shard_map(
+        fsdp_step, mesh=mesh, in_specs=(fsdp_specs, state_specs, P("data"), P("data")),
+        out_specs=(fsdp_specs, state_specs, P("data"))))
+    hlo = step_fn.lower(sharded_params, fsdp_state, batch["x"], batch["y"]).as_text(dialect="hlo")
+    bad_x = batch["x"].at[2 * 8 + 3, 5].set(jnp.inf)
+    new_p, new_s, skipped = step_fn(sharded_params, fsdp_state, bad_x, batch["y"])
+    report["fsdp_step"] = {
+        "scalar_all_reduces": [
+            line.split("=", 1)[1].split("all-reduce", 1)[0].strip().split("{")[0]
+            for line in hlo.splitlines() if " all-reduce(" in line and "[]" in line.split("=", 1)[1].split("all-reduce", 1)[0]
+        ],
+        "skipped_per_device": jax.device_get(skipped).tolist(),
+        "params_untouched": all(
+            np.asarray(a).tobytes() == np.asarray(b).tobytes()
+            for a, b in zip(jax.tree.leaves(new_p), jax.tree.leaves(sharded_params))),
+    }
+
     # Replicated params without pcast: JAX has already summed the gradients.
     def already_summed(params, batch):
         grads = jax.grad(lambda p: jnp.sum(batch["x"] @ p["w1"]))(params)
@@ -343,6 +378,13 @@ def test_all_gather_params_gathers_in_dtype_and_reduce_scatters_in_reduce_dtype(
   assert found["dtypes"] == ["float32"] and found["shardings_kept"]
   tolerance = 1e-5 if dtype == "float32" else 4 * float(jnp.finfo(dtype).eps)
   assert max(found["relative_error"].values()) <= tolerance, found
+
+
+def test_an_fsdp_step_decides_the_skip_with_one_scalar_all_reduce(report):
+  step = report["fsdp_step"]
+  # The finite check of the sharded gradients: one pmin of the int32 leaf code.
+  assert step["scalar_all_reduces"] == ["s32[]"], step
+  assert step["skipped_per_device"] == [1, 1, 1, 1] and step["params_untouched"], step
 
 
 def test_all_gather_params_errors_name_the_problem():

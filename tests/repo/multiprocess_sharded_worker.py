@@ -62,7 +62,7 @@ def main() -> None:
   # Compiling dominates the test's time, so every run compared goes without LLVM's
   # optimisations (which change no floating-point result, tests/conftest.py) and with
   # XLA:CPU's older kernel emitters, which compile this step in about a third of the time
-  # (and gave the same results here).
+  # (the same losses, to the last bit, here).
   os.environ["XLA_FLAGS"] = " ".join(
     [
       f"--xla_force_host_platform_device_count={local_devices}",

@@ -175,7 +175,7 @@ SHARDED_RUNS = [(lo, po) for lo in sharded_worker.LAYOUTS for po in sharded_work
 # in float16, and the leaves differ by float16 roundings (2**-11) of their largest value
 # (up to 6 seen, after 4 steps). Under mixed_bfloat16 only the momentum of the replicated
 # norm scales, whose float32 gradients are summed in float32, differs, by float32
-# roundings (2**-24; about 1.4 seen). Tolerance: 16 roundings. A step lost or taken twice
+# roundings (2**-24; up to 2.2 seen). Tolerance: 16 roundings. A step lost or taken twice
 # changes the momentum by about one gradient, the size of the momentum itself.
 SHARDED_ROUNDING = {"mixed_float16": 2.0**-11, "mixed_bfloat16": 2.0**-24}
 

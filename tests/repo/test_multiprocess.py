@@ -52,16 +52,16 @@ def _free_port() -> int:
 def _launch(
   argvs: list[list[str]],
   logs: pathlib.Path,
-  worker: pathlib.Path = WORKER,
+  script: pathlib.Path = WORKER,
   timeout_s: int = TIMEOUT_S,
 ) -> None:
-  """Runs ``worker`` once per argv, all together; on failure or timeout kills all, raising."""
+  """Runs ``script`` once per argv, all together; on failure or timeout kills all, raising."""
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
   procs = []
   for i, argv in enumerate(argvs):
     err = open(logs / f"stderr-{i}.txt", "w")  # noqa: SIM115 (closed below)
-    procs.append((subprocess.Popen([sys.executable, str(worker), *argv], env=env, stderr=err), err))
+    procs.append((subprocess.Popen([sys.executable, str(script), *argv], env=env, stderr=err), err))
   deadline = time.monotonic() + timeout_s
   try:
     while any(p.poll() is None for p, _ in procs):
@@ -171,11 +171,12 @@ SHARDED_RUNS = [(lo, po) for lo in sharded_worker.LAYOUTS for po in sharded_work
 # a sum of two terms does not depend on the order; it trained bitwise as one process does.
 # FSDP over 4 devices sums 4 terms, which gloo adds in another order than the in-process
 # collectives (the likely cause: FSDP x TP, same model, data and steps, agrees bitwise).
-# Under mixed_float16 XLA sums matmul partial results and gradients across the devices
-# in float16, and the leaves differ by float16 roundings (2**-11) of their largest value
-# (up to 6 seen, after 4 steps). Under mixed_bfloat16 only the momentum of the replicated
-# norm scales, whose float32 gradients are summed in float32, differs, by float32
-# roundings (2**-24; up to 2.2 seen). Tolerance: 16 roundings. A step lost or taken twice
+# Under mixed_float16 the compiled step all-reduces float16 values over the 4 devices (4
+# all-reduces; the losses differ from the first step on, so some are in the forward), and
+# the leaves differ by float16 roundings (2**-11) of their largest value (up to 6 seen,
+# after 4 steps). Under mixed_bfloat16 XLA:CPU moves and sums everything in float32, and
+# only the momentum of the replicated norm scales differs, by float32 roundings (2**-24;
+# up to 2.2 seen). Tolerance: 16 roundings. A step lost or taken twice
 # changes the momentum by about one gradient, the size of the momentum itself.
 SHARDED_ROUNDING = {"mixed_float16": 2.0**-11, "mixed_bfloat16": 2.0**-24}
 
@@ -188,7 +189,7 @@ def sharded(tmp_path_factory):
   # The reference runs beside the two processes: three keep both cores busy while the
   # two wait on each other's collectives.
   argvs = [[*argv, "--out", str(out)] for argv in [*two, ["--num-processes", "1"]]]
-  _launch(argvs, out, worker=SHARDED_WORKER, timeout_s=300)
+  _launch(argvs, out, script=SHARDED_WORKER, timeout_s=300)
   runs = {}
   for tag in ("p0", "p1", "ref"):
     with np.load(out / f"{tag}-sharded.npz") as f:

@@ -37,7 +37,14 @@ def main() -> None:
   args = parser.parse_args()
 
   local_devices = 2 if args.num_processes > 1 else 4
-  os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={local_devices}"
+  # Compiling dominates: see multiprocess_sharded_worker.py for these flags.
+  os.environ["XLA_FLAGS"] = " ".join(
+    [
+      f"--xla_force_host_platform_device_count={local_devices}",
+      "--xla_backend_optimization_level=0",
+      "--xla_cpu_use_fusion_emitters=false",
+    ]
+  )
   import jax
 
   jax.config.update("jax_platforms", "cpu")

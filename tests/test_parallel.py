@@ -435,7 +435,13 @@ def _specs(tree):
 
 @pytest.mark.parametrize(
   "name",
-  ["mixed_precision_adam", "kahan_adamw", "int8_moments", "chain_over_a_tuple"],
+  [
+    "mixed_precision_adam",
+    "masters_of_some_params",
+    "kahan_adamw",
+    "int8_moments",
+    "chain_over_a_tuple",
+  ],
 )
 def test_state_shardings_agree_with_the_eager_init_placement(name):
   import optax
@@ -444,6 +450,9 @@ def test_state_shardings_agree_with_the_eager_init_placement(name):
   params = _sharded_params()
   policy = "params=bfloat16,compute=bfloat16,output=float32"
   if name == "mixed_precision_adam":
+    tx = mpx.mixed_precision(optax.adam(1e-3), policy)
+  elif name == "masters_of_some_params":  # a float32 param (a norm scale) has no master: None
+    params["b"] = params["b"].astype(jnp.float32)
     tx = mpx.mixed_precision(optax.adam(1e-3), policy)
   elif name == "kahan_adamw":
     tx = mpx.with_kahan_summation(optax.adamw(1e-3))
@@ -467,6 +476,12 @@ def test_state_shardings_agree_with_the_eager_init_placement(name):
     if leaf.ndim == 0:  # counts, the loss scale: replicated
       assert spec == P()
   assert P("data", "model") in jax.tree.leaves(specs)
+  if name == "masters_of_some_params":
+    assert specs.inner_state.master_params == {
+      "w1": P("data", "model"),
+      "w2": P(None, "data"),
+      "b": None,
+    }
 
 
 def test_state_shardings_shard_quantised_codes_like_the_param_and_flat_scales_not():

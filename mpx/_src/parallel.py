@@ -171,9 +171,10 @@ def _param_like(structure: Any, shapes: list[tuple[int, ...]]) -> Any:
   """The predicate that finds the param-shaped parts of an optimizer state.
 
   A node is param-shaped when it has the params' structure (a master copy,
-  a moment, a Kahan buffer), or has it down to the params' positions with one
-  small container of arrays at each (a quantised moment's codes and scales),
-  the first of which has its param's shape.
+  a moment, a Kahan buffer), or has it down to the params' positions with,
+  at each, ``None`` (the masters of params that need none) or one small
+  container of arrays (a quantised moment's codes and scales), the first of
+  which has its param's shape.
   """
 
   def is_param_like(node: Any) -> bool:
@@ -186,6 +187,8 @@ def _param_like(structure: Any, shapes: list[tuple[int, ...]]) -> Any:
     except (ValueError, TypeError):
       return False
     for part, shape in zip(parts, shapes, strict=True):
+      if part is None:  # this param has no part here (a float32 param has no master)
+        continue
       children = jax.tree.leaves(part)
       nodes = jax.tree.structure(part).num_nodes
       if nodes not in (1, len(children) + 1):

@@ -9,6 +9,9 @@ autotuning runs, so every kernel is XLA's default choice. The layouts:
   reduce-scattered).
 * ``fsdp_tp``: tensor parallelism over ``"model"`` (8, the GPUs of one host) and FSDP over
   ``"data"`` (the hosts).
+* ``hsdp`` (several hosts only): FSDP within each host over ``"data"``, the hosts replicas of
+  each other over ``"replica"`` (hybrid sharding: the batch is split over both axes, and only
+  the gradients of each GPU's shard cross hosts, all-reduced).
 
 The params are placed by their logical axes (``nn.with_logical_partitioning`` in ``_llama.py``,
 mapped with ``nn.logical_to_mesh_sharding`` and ``_llama.RULES``) and the optimizer state
@@ -69,7 +72,7 @@ RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "scaling"
 MODELS = {c.name: c for c in (_llama.LLAMA_1B, _llama.LLAMA_8B, _llama.TINY)}
 TARGETS = ("h100x8", "2xh100x8")
 POLICIES = ("mixed_bfloat16", "mixed_float16", "mixed_float8")
-LAYOUTS = ("fsdp", "fsdp_tp")
+LAYOUTS = ("fsdp", "fsdp_tp", "hsdp")
 TP = 8  # tensor parallelism within one host of 8 GPUs
 
 #: Bytes per second each GPU sends (and receives) in a collective: NVLink 4 within a host,
@@ -110,6 +113,10 @@ def _mesh(target: targets.Target, layout: str) -> Mesh:
   devices = np.array(targets.devices(target))  # host-major
   if layout == "fsdp":
     return Mesh(devices, ("data",))
+  if layout == "hsdp":
+    if target.hosts == 1:
+      raise ValueError(f"hsdp needs several hosts, not {target}")
+    return Mesh(devices.reshape(target.hosts, target.gpus_per_host), ("replica", "data"))
   if target.gpus_per_host % TP:
     raise ValueError(f"fsdp_tp needs hosts of {TP} GPUs, not {target}")
   return Mesh(devices.reshape(target.num_devices // TP, TP), ("data", "model"))
@@ -146,7 +153,11 @@ def compile_step(
   tokens = jax.ShapeDtypeStruct((batch_per_gpu * mesh.size, seq + 1), jnp.int32)
   inputs = jax.ShapeDtypeStruct((1, seq), jnp.int32)
   boxed = jax.eval_shape(model.init, jax.random.key(0), inputs)["params"]
-  rules = [(name, axis if axis in mesh.axis_names else None) for name, axis in _llama.RULES]
+  batch_axes = tuple(a for a in ("replica", "data") if a in mesh.axis_names)
+  rules = [
+    (name, batch_axes if name == "batch" else axis if axis in mesh.axis_names else None)
+    for name, axis in _llama.RULES
+  ]
   shardings = spmd.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   params = _sharded(nn.meta.unbox(boxed), shardings)
   tx = mpx.mixed_precision(optax.adamw(1e-4), policy)
@@ -162,7 +173,9 @@ def compile_step(
     updates, opt_state = tx.update(grads, opt_state, params)
     return mpx.apply_updates(params, updates, opt_state), opt_state, loss
 
-  tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P("data")))
+  tokens = jax.ShapeDtypeStruct(
+    tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P(batch_axes))
+  )
   with (
     jax.set_mesh(mesh),
     nn.logical_axis_rules(rules),
@@ -181,13 +194,29 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
   """The device groups of a collective instruction, from its HLO attributes.
 
   Args:
-    attrs: the instruction's attributes (``replica_groups=...`` in either of HLO's forms,
-      or ``source_target_pairs=...`` for a collective-permute).
+    attrs: the instruction's attributes (``replica_groups=...`` in any of HLO's three forms:
+      listed, iota, mesh axes; or ``source_target_pairs=...`` for a collective-permute).
     num_devices: the program's devices (no groups listed means one group of all).
 
   Returns:
     The groups, as lists of device positions in the program's device assignment.
   """
+  axes = re.search(
+    r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}",
+    attrs,
+  )
+  if axes:  # the mesh form: mesh['axis_0'=8,'axis_1'=2], device_ids=([2,8]T(1,0)) {'axis_0'}
+    names = re.findall(r"'([^']+)'=(\d+)", axes.group(1))
+    sizes = [int(size) for _, size in names]
+    dims = [int(d) for d in axes.group(2).split(",")] if axes.group(2) else [math.prod(sizes)]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if axes.group(3):
+      ids = ids.transpose(tuple(int(d) for d in axes.group(3).split(",")))
+    ids = ids.reshape(sizes)
+    chosen = [i for i, (name, _) in enumerate(names) if f"'{name}'" in axes.group(4)]
+    rest = [i for i in range(len(names)) if i not in chosen]
+    group = math.prod(sizes[i] for i in chosen)
+    return ids.transpose(rest + chosen).reshape(-1, group).tolist()
   iota = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
   if iota:
     shape, dims = (tuple(int(d) for d in g.split(",")) for g in iota.groups()[:2])
@@ -200,6 +229,8 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
     return [
       [int(d) for d in g.split(",") if d] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))
     ]
+  if listed is None and "replica_groups=" in attrs:  # a form this reader does not know
+    raise ValueError(f"cannot read the replica groups of {attrs[:300]!r}")
   return [list(range(num_devices))]
 
 
@@ -510,7 +541,14 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   out = pathlib.Path(args.out or RESULTS / f"scaling_plan{'_smoke' if args.smoke else ''}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
-  jobs = [(m, t, p, lay) for m in models for t in target_names for lay in layouts for p in policies]
+  jobs = [
+    (m, t, p, lay)
+    for m in models
+    for t in target_names
+    for lay in layouts
+    for p in policies
+    if lay != "hsdp" or targets.parse(t).hosts > 1  # one host: hsdp is fsdp
+  ]
   command = "JAX_PLATFORMS=cpu python benchmarks/scaling_plan.py " + " ".join(
     argv if argv is not None else sys.argv[1:]
   )

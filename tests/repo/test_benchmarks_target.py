@@ -230,7 +230,7 @@ def test_fp8_recipes_smoke():
 # ------------------------------------------------------------- scaling_plan.py
 
 
-def test_scaling_plan_reads_both_forms_of_replica_groups():
+def test_scaling_plan_reads_every_form_of_replica_groups():
   import scaling_plan
 
   # The iota form: 2 groups of 8, devices in order (tensor parallelism within each host).
@@ -244,6 +244,15 @@ def test_scaling_plan_reads_both_forms_of_replica_groups():
   assert scaling_plan.replica_groups("replica_groups={{0,2},{1,3}}", 4) == [[0, 2], [1, 3]]
   assert scaling_plan.replica_groups("source_target_pairs={{0,1},{1,0}}", 2) == [[0, 1], [1, 0]]
   assert scaling_plan.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
+  # The mesh form: the groups run along the named axes of a mesh of device ids.
+  within = (
+    "replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_0'}"
+  )
+  assert scaling_plan.replica_groups(within, 16) == [list(range(8)), list(range(8, 16))]
+  across = scaling_plan.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_0'}", 16)
+  assert across == [[i, i + 8] for i in range(8)]
+  with pytest.raises(ValueError, match="cannot read"):
+    scaling_plan.replica_groups("replica_groups=<an unknown form>", 4)
 
 
 @needs_plugin

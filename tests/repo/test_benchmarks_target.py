@@ -7,6 +7,7 @@ in subprocesses (compiled for the GPU without one; skipped without jax's
 CUDA plugin). No timing assertions.
 """
 
+import collections
 import json
 import os
 import pathlib
@@ -224,3 +225,89 @@ def test_fp8_recipes_smoke():
     else:
       assert row["fp8_flops_share"] == 1.0 and not row["lost"], row
   assert "no autotuning" in proc.stdout and "| mixed_mxfp8 | b200 |" in proc.stdout
+
+
+# ------------------------------------------------------------- scaling_plan.py
+
+
+def test_scaling_plan_reads_every_form_of_replica_groups():
+  import scaling_plan
+
+  # The iota form: 2 groups of 8, devices in order (tensor parallelism within each host).
+  assert scaling_plan.replica_groups("replica_groups=[2,8]<=[16], x=1", 16) == [
+    list(range(8)),
+    list(range(8, 16)),
+  ]
+  # Transposed: 8 groups of 2, one GPU of each host (FSDP across hosts).
+  groups = scaling_plan.replica_groups("replica_groups=[8,2]<=[2,8]T(1,0)", 16)
+  assert groups[0] == [0, 8] and groups[7] == [7, 15]
+  assert scaling_plan.replica_groups("replica_groups={{0,2},{1,3}}", 4) == [[0, 2], [1, 3]]
+  assert scaling_plan.replica_groups("source_target_pairs={{0,1},{1,0}}", 2) == [[0, 1], [1, 0]]
+  assert scaling_plan.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
+  # The mesh form: the groups run along the named axes of a mesh of device ids.
+  within = (
+    "replica_groups=mesh['axis_0'=8,'axis_1'=1,'axis_2'=2], device_ids=([2,8]T(1,0)) {'axis_0'}"
+  )
+  assert scaling_plan.replica_groups(within, 16) == [list(range(8)), list(range(8, 16))]
+  across = scaling_plan.replica_groups("replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_0'}", 16)
+  assert across == [[i, i + 8] for i in range(8)]
+  with pytest.raises(ValueError, match="cannot read"):
+    scaling_plan.replica_groups("replica_groups=<an unknown form>", 4)
+
+
+@needs_plugin
+def test_scaling_plan_smoke_shards_the_state_and_gathers_float8_weights(tmp_path):
+  """``scaling_plan.py --smoke``: a tiny Llama, FSDP over 8 GPUs under ``mixed_float8``."""
+  import _llama
+
+  out = tmp_path / "scaling_plan_smoke.json"
+  proc = subprocess.run(
+    [sys.executable, str(ROOT / "benchmarks" / "scaling_plan.py"), "--smoke", "--out", str(out)],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=600,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "no autotuning" in proc.stdout and "not a measurement" in proc.stdout
+  report = json.loads(out.read_text())
+  assert report["smoke"] and "no GPU was used" in report["note"]
+  (row,) = report["rows"]
+  assert (row["model"], row["target"], row["policy"], row["layout"]) == (
+    "tiny",
+    "h100x8",
+    "mixed_float8",
+    "fsdp",
+  )
+  n = row["num_devices"]
+  assert n == 8 and row["mesh"] == {"data": 8}
+  memory = row["memory"]
+  assert memory["fits"] and memory["temp_bytes"] > 0
+  assert memory["total_bytes"] + memory["headroom_bytes"] == memory["device_bytes"]
+  # FSDP: each GPU holds 1/8 of the float32 params and of adamw's two moments (the
+  # norm scales, the step count and the loss scale are replicated, a few KiB).
+  state = 3 * row["param_bytes"] / n
+  assert state < memory["argument_bytes"] < 1.02 * state, (memory, row["param_bytes"])
+  for c in row["collectives"]:
+    assert {"kind", "dtype", "group_size", "across_hosts", "count", "bytes", "model_ms"} <= set(c)
+    assert c["group_size"] == n and not c["across_hosts"]  # one host
+  gathered = collections.Counter()
+  for c in row["collectives"]:
+    if c["kind"] == "all-gather":
+      gathered[c["dtype"]] += c["bytes"]
+  # The blocks' weights are gathered in float8 (one byte each), every layer's at least
+  # once: the scan body's gathers count once per layer.
+  config = _llama.TINY
+  kv = config.num_kv_heads * config.head_dim
+  block_weights = (
+    config.num_layers * config.features * (2 * config.features + 2 * kv + 3 * config.mlp_hidden)
+  )
+  assert gathered["float8_e4m3fn"] >= block_weights / n, gathered
+  assert gathered["float8_e4m3fn"] > 10 * (gathered["bfloat16"] + gathered["float32"]), gathered
+  flops, t = row["flops"], row["time"]
+  # nn.remat recomputes the forward: the program multiplies more than the model's FLOPs.
+  assert flops["matmul_executed_per_gpu"] > flops["model_per_gpu"]
+  assert flops["matmul_executed_by_class"]["fp8"] > flops["matmul_executed_by_class"]["half"]
+  assert 0 < t["step_ms_overlapped"] <= t["step_ms_serial"]
+  assert t["comm_across_hosts_ms"] == 0 and 0 < t["mfu_serial"] <= t["mfu_overlapped"] < 1

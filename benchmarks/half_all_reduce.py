@@ -1,4 +1,4 @@
-"""The gradient all-reduce in the compute dtype (``mpx.all_reduce_gradients``) against float32.
+"""The gradient all-reduce in the compute dtype (``mpx.parallel.all_reduce_gradients``) against float32.
 
 The demo's character-level transformer (``python -m mpx.demo``) trained
 data-parallel under ``jax.shard_map`` on 4 forced CPU devices, once with the
@@ -90,7 +90,7 @@ def run(config_name: str, reduce_dtype: str, settings: demo.Settings, data, mesh
 
     varying = jax.lax.pcast(params, "data", to="varying")
     (_, loss), grads = mpx.value_and_grad(objective, opt_state, has_aux=True)(varying)
-    grads = mpx.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
+    grads = mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam under strict promotion
       updates, opt_state = tx.update(grads, opt_state, params)
     params = mpx.apply_updates(params, updates, opt_state)

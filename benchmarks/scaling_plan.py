@@ -15,7 +15,7 @@ autotuning runs, so every kernel is XLA's default choice. The layouts:
 
 The params are placed by their logical axes (``nn.with_logical_partitioning`` in ``_llama.py``,
 mapped with ``nn.logical_to_mesh_sharding`` and ``_llama.RULES``) and the optimizer state
-(adamw's moments, like the params) by ``mpx.state_shardings``. Every layout runs the same
+(adamw's moments, like the params) by ``mpx.parallel.state_shardings``. Every layout runs the same
 global batch, ``--batch-per-gpu`` sequences of ``--seq`` tokens per GPU.
 
 Each row reads from the compiled program: XLA's buffer assignment per GPU
@@ -162,7 +162,7 @@ def compile_step(
   params = _sharded(nn.meta.unbox(boxed), shardings)
   tx = mpx.mixed_precision(optax.adamw(1e-4), policy)
   opt_state = jax.eval_shape(tx.init, params)
-  opt_state = _sharded(opt_state, mpx.state_shardings(opt_state, params))
+  opt_state = _sharded(opt_state, mpx.parallel.state_shardings(opt_state, params))
 
   def loss_fn(params: Any, tokens: jax.Array) -> jax.Array:
     logits = model.apply({"params": params}, tokens[:, :-1])

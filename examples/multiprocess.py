@@ -9,7 +9,7 @@ on a cluster, start it once per host with ``--process-id`` and
 
 The train step is ``jax.shard_map`` data parallelism: the Flax model under
 ``mpx.linen.apply_policy``, ``mpx.value_and_grad`` for scaled gradients, and
-``mpx.all_reduce_gradients``, which averages them across every device of every
+``mpx.parallel.all_reduce_gradients``, which averages them across every device of every
 process in the policy's compute dtype (half the bytes of a float32 all-reduce)
 before ``mpx.mixed_precision`` unscales and checks them in float32. At
 ``--poison-step`` process 1 alone puts an inf into its share of the batch: the
@@ -155,7 +155,7 @@ def train(args: argparse.Namespace) -> int:
     local = jax.lax.pcast(params, "data", to="varying")
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(local)
     # ...and one all-reduce averages them over every device, in the compute dtype.
-    grads = mpx.all_reduce_gradients(grads, "data", reduce_dtype=policy.compute_dtype)
+    grads = mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype=policy.compute_dtype)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam under strict promotion
       updates, opt_state = tx.update(grads, opt_state, params)
     params = mpx.apply_updates(params, updates, opt_state)

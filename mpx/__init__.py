@@ -7,7 +7,8 @@ half-precision arithmetic accumulated in float32.
 The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
 imported on first use: ``import mpx`` does not import Flax. The precision
 diagnostics (histograms, range reports, plots) are :mod:`mpx.diagnostics` and
-the float8 building blocks :mod:`mpx.fp8`, also imported on first use.
+the float8 building blocks :mod:`mpx.fp8` and the sharded-training helpers
+:mod:`mpx.parallel`, also imported on first use.
 """
 
 import importlib as _importlib
@@ -43,9 +44,6 @@ from mpx._src.optim.remainder import RemainderMastersState as RemainderMastersSt
 from mpx._src.optim.state_dtype import with_state_dtype as with_state_dtype
 from mpx._src.optim.stochastic_rounding import StochasticRoundingState as StochasticRoundingState
 from mpx._src.optim.stochastic_rounding import with_stochastic_rounding as with_stochastic_rounding
-from mpx._src.parallel import all_gather_params as all_gather_params
-from mpx._src.parallel import all_reduce_gradients as all_reduce_gradients
-from mpx._src.parallel import state_shardings as state_shardings
 from mpx._src.policy import Policy as Policy
 from mpx._src.policy import get_policy as get_policy
 from mpx._src.recipe import Fp8Recipe as Fp8Recipe
@@ -67,10 +65,11 @@ if _typing.TYPE_CHECKING:
   from mpx import fp8 as fp8
   from mpx import linen as linen
   from mpx import nnx as nnx
+  from mpx import parallel as parallel
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "nnx")
+_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "nnx", "parallel")
 
 # Names that moved to a namespace after 0.1.0: old top-level name -> namespace. They
 # still resolve, with a DeprecationWarning, for one release.
@@ -125,8 +124,6 @@ __all__ = (
   "TreeStructureError",
   "accumulate_in_float32",
   "all_finite",
-  "all_gather_params",
-  "all_reduce_gradients",
   "apply_updates",
   "audit",
   "cast_tree",
@@ -145,9 +142,9 @@ __all__ = (
   "nnx",
   "no_loss_scale",
   "nonfinite_gradient_paths",
+  "parallel",
   "scale",
   "softmax",
-  "state_shardings",
   "static_loss_scale",
   "unscale",
   "value_and_grad",

@@ -2,7 +2,7 @@
 
 A documented recipe, not mpx API: the params' ``PartitionSpec``s follow from
 their paths (``docs/guide/multihost.md`` shows the same rule), and
-``mpx.state_shardings`` places the optimizer state like them.
+``mpx.parallel.state_shardings`` places the optimizer state like them.
 
 * Tensor parallelism over ``"model"`` (Megatron-style): the layers that fan
   out (``qkv``, ``gate``, ``up``, the ``head``, the embedding's features) split

@@ -1,4 +1,4 @@
-"""``mpx.all_reduce_gradients``: data-parallel gradient reduction in the compute dtype.
+"""``mpx.parallel.all_reduce_gradients``: data-parallel gradient reduction in the compute dtype.
 
 In-process tests use ``jax.vmap`` with a named axis (the same collectives,
 traced on one device). The HLO, bytes and global-skip tests run a real
@@ -23,7 +23,8 @@ F32, BF16, F16 = np.dtype(jnp.float32), np.dtype(jnp.bfloat16), np.dtype(jnp.flo
 
 def _reduce(grads, reduce_dtype):
   return jax.vmap(
-    lambda g: mpx.all_reduce_gradients(g, "batch", reduce_dtype=reduce_dtype), axis_name="batch"
+    lambda g: mpx.parallel.all_reduce_gradients(g, "batch", reduce_dtype=reduce_dtype),
+    axis_name="batch",
   )(grads)
 
 
@@ -78,9 +79,11 @@ def test_non_floating_leaves_are_an_error_naming_the_leaf():
 
 def test_an_unknown_axis_is_an_error_naming_it():
   with pytest.raises(mpx.ConfigError, match="axis_name='model' is not a mapped axis"):
-    jax.vmap(lambda g: mpx.all_reduce_gradients(g, "model"), axis_name="batch")(jnp.ones((2, 3)))
+    jax.vmap(lambda g: mpx.parallel.all_reduce_gradients(g, "model"), axis_name="batch")(
+      jnp.ones((2, 3))
+    )
   with pytest.raises(mpx.ConfigError, match=r"inside jax\.shard_map"):
-    mpx.all_reduce_gradients(jnp.ones(3), "data")
+    mpx.parallel.all_reduce_gradients(jnp.ones(3), "data")
 
 
 def test_a_bad_reduce_dtype_is_an_error():
@@ -128,7 +131,7 @@ _SCRIPT = textwrap.dedent(
             if reduce_dtype == "pmean":
                 grads = jax.lax.pmean(grads, "data")
             else:
-                grads = mpx.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
+                grads = mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = mpx.apply_updates(params, updates, opt_state)
             # Every device's own copy, stacked, to show they agree.
@@ -194,7 +197,7 @@ _SCRIPT = textwrap.dedent(
     report["numerics"] = {}
     for dt in ("float16", "bfloat16"):
         reduce = jax.jit(jax.shard_map(
-            lambda g: mpx.all_reduce_gradients(g[0], "data", reduce_dtype=dt),
+            lambda g: mpx.parallel.all_reduce_gradients(g[0], "data", reduce_dtype=dt),
             mesh=mesh, in_specs=P("data"), out_specs=P()))
         got = np.asarray(reduce(sharded), np.float64)
         want = local.mean(axis=0)
@@ -205,7 +208,7 @@ _SCRIPT = textwrap.dedent(
             "worst_over_bound": float((np.abs(got - want) / bound).max()),
         }
 
-    # FSDP under shard_map: mpx.all_gather_params gathers in the compute dtype and
+    # FSDP under shard_map: mpx.parallel.all_gather_params gathers in the compute dtype and
     # reduce-scatters the gradients in reduce_dtype; against jax.grad of the whole batch.
     fsdp_specs = {"w1": P("data", None), "b1": P(), "w2": P(None, "data")}
     fsdp_params = dict(params, b1=jnp.full(64, 0.1))
@@ -224,7 +227,7 @@ _SCRIPT = textwrap.dedent(
                          ("float16", None, False)]:
         def fsdp_grads(p, x, y, dt=dt, rdt=rdt):
             def loss(p):
-                full = mpx.all_gather_params(p, fsdp_specs, "data", dtype=dt, reduce_dtype=rdt)
+                full = mpx.parallel.all_gather_params(p, fsdp_specs, "data", dtype=dt, reduce_dtype=rdt)
                 return mlp_loss(full, x.astype(dt), y)
             return jax.grad(loss)(p)
         fn = jax.jit(jax.shard_map(fsdp_grads, mesh=mesh, in_specs=(fsdp_specs, P("data"), P("data")),
@@ -252,11 +255,11 @@ _SCRIPT = textwrap.dedent(
         loss_scale=functools.partial(mpx.dynamic_loss_scale, axis_name="data"))
     fsdp_state = fsdp_tx.init(sharded_params)
     state_specs = jax.tree.map(
-        lambda s: s.spec, mpx.state_shardings(fsdp_state, sharded_params))
+        lambda s: s.spec, mpx.parallel.state_shardings(fsdp_state, sharded_params))
 
     def fsdp_step(p, s, x, y):
         def loss(p):
-            full = mpx.all_gather_params(p, fsdp_specs, "data", dtype=policy.compute_dtype)
+            full = mpx.parallel.all_gather_params(p, fsdp_specs, "data", dtype=policy.compute_dtype)
             return mlp_loss(full, policy.cast_to_compute(x), y)
         _, grads = mpx.value_and_grad(loss, s)(p)
         updates, s = fsdp_tx.update(grads, s, p)
@@ -282,7 +285,7 @@ _SCRIPT = textwrap.dedent(
     # Replicated params without pcast: JAX has already summed the gradients.
     def already_summed(params, batch):
         grads = jax.grad(lambda p: jnp.sum(batch["x"] @ p["w1"]))(params)
-        return mpx.all_reduce_gradients(grads, "data", reduce_dtype="float16")
+        return mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype="float16")
     try:
         jax.jit(jax.shard_map(already_summed, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))(params, batch)
         report["invariant_error"] = None
@@ -394,7 +397,7 @@ def test_all_gather_params_errors_name_the_problem():
 
   def call(specs):
     return jax.vmap(
-      lambda p: mpx.all_gather_params(p, specs, "data", dtype="bfloat16"), axis_name="data"
+      lambda p: mpx.parallel.all_gather_params(p, specs, "data", dtype="bfloat16"), axis_name="data"
     )(params)
 
   with pytest.raises(mpx.ConfigError, match=r"'w' is split over \('data', 'model'\)"):
@@ -402,11 +405,11 @@ def test_all_gather_params_errors_name_the_problem():
   with pytest.raises(mpx.TreeStructureError, match="structure of params"):
     call({"v": P("data")})
   with pytest.raises(mpx.ConfigError, match="not a mapped axis"):
-    mpx.all_gather_params(params, {"w": P("data")}, "data", dtype="bfloat16")
+    mpx.parallel.all_gather_params(params, {"w": P("data")}, "data", dtype="bfloat16")
 
 
 # ---------------------------------------------------------------------------
-# mpx.state_shardings: the optimizer state placed like the params.
+# mpx.parallel.state_shardings: the optimizer state placed like the params.
 # ---------------------------------------------------------------------------
 
 
@@ -463,7 +466,7 @@ def test_state_shardings_agree_with_the_eager_init_placement(name):
     params = (params["w1"], params["w2"])
     tx = optax.chain(optax.scale_by_adam(), optax.scale(-1e-3))
   state = tx.init(params)
-  shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+  shardings = mpx.parallel.state_shardings(jax.eval_shape(tx.init, params), params)
   assert jax.tree.structure(shardings) == jax.tree.structure(state)
   specs = _specs(shardings)
   if name == "chain_over_a_tuple":  # optax's own init: no placement of its own to compare
@@ -489,7 +492,7 @@ def test_state_shardings_shard_quantised_codes_like_the_param_and_flat_scales_no
 
   params = jax.tree.map(lambda p: p.astype(jnp.float32), _sharded_params())
   tx = mpx.with_state_dtype(optax.adam(1e-3), "int8", min_size=1024)
-  shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+  shardings = mpx.parallel.state_shardings(jax.eval_shape(tx.init, params), params)
   mu = shardings[0].mu["w1"]
   assert isinstance(mu, mpx.QuantizedMoment)
   codes, scales = _specs(tuple(mu))  # the shardings, as normalised specs
@@ -504,4 +507,4 @@ def test_state_shardings_need_named_shardings_and_name_the_leaf():
   params = {"layer": {"kernel": jnp.ones((4, 4))}}
   tx = optax.adam(1e-3)
   with pytest.raises(mpx.ConfigError, match=r"'layer/kernel'.*NamedSharding"):
-    mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+    mpx.parallel.state_shardings(jax.eval_shape(tx.init, params), params)

@@ -30,7 +30,7 @@ def _axis_size(axis_name: Any) -> int:
   except NameError as e:
     raise errors.ConfigError(
       f"axis_name={axis_name!r} is not a mapped axis here ({e}). Call "
-      "mpx.all_reduce_gradients inside jax.shard_map (or pmap, or vmap with axis_name=...) "
+      "mpx.parallel.all_reduce_gradients inside jax.shard_map (or pmap, or vmap with axis_name=...) "
       "and pass the name of the mesh axis the batch is split over, e.g. 'data', or a tuple "
       "of names for a batch split over several axes."
     ) from None
@@ -145,7 +145,7 @@ def all_reduce_gradients(
     >>> import jax, jax.numpy as jnp, mpx
     >>> grads = {"w": jnp.array([[2.0, 4.0], [6.0, 8.0]])}  # two devices' gradients
     >>> mean = jax.vmap(
-    ...   lambda g: mpx.all_reduce_gradients(g, "batch", reduce_dtype="bfloat16"),
+    ...   lambda g: mpx.parallel.all_reduce_gradients(g, "batch", reduce_dtype="bfloat16"),
     ...   axis_name="batch",
     ... )(grads)
     >>> mean["w"]  # float32 again, the same on both members
@@ -248,7 +248,7 @@ def state_shardings(state: Any, params: Any) -> Any:
     >>> w = jnp.ones((4, 2), jnp.bfloat16)
     >>> params = {"w": jax.device_put(w, NamedSharding(mesh, P("data")))}
     >>> tx = mpx.mixed_precision(optax.adam(1e-3), "params=bfloat16,compute=bfloat16")
-    >>> shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+    >>> shardings = mpx.parallel.state_shardings(jax.eval_shape(tx.init, params), params)
     >>> shardings.inner_state.master_params["w"].spec
     P('data',)
     >>> shardings.loss_scale.spec  # replicated
@@ -261,7 +261,7 @@ def state_shardings(state: Any, params: Any) -> Any:
     if not isinstance(sharding, jax.sharding.NamedSharding):
       raise errors.ConfigError(
         f"params leaf {tree_lib.path_str(path)!r} has sharding {sharding!r}, not a "
-        "NamedSharding: mpx.state_shardings places the state like the params, so give every "
+        "NamedSharding: mpx.parallel.state_shardings places the state like the params, so give every "
         "param a NamedSharding first (jax.device_put(params, shardings), or "
         "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)))."
       )
@@ -309,7 +309,7 @@ def _gathered_dim(spec: Any, axis_name: str, path: str) -> int | None:
     if len(names) != 1:
       raise errors.ConfigError(
         f"params leaf {path!r} is split over {entry!r} along dimension {dim}: "
-        "mpx.all_gather_params gathers one mesh axis, so give the leaf a spec that splits a "
+        "mpx.parallel.all_gather_params gathers one mesh axis, so give the leaf a spec that splits a "
         f"dimension over {axis_name!r} alone (e.g. P({axis_name!r}, 'model'))."
       )
     found = dim
@@ -371,7 +371,7 @@ def all_gather_params(
   * backward: each device's gradient of the gathered param, divided by the
     number of devices in float32, is cast to ``reduce_dtype`` and
     reduce-scattered back to the shards, then cast to the param's own
-    dtype: the mean over the devices, as :func:`mpx.all_reduce_gradients`
+    dtype: the mean over the devices, as :func:`mpx.parallel.all_reduce_gradients`
     takes it. Leaves not split over ``axis_name`` (small replicated norm
     scales) are cast only, and their gradients all-reduced the same way.
 
@@ -409,7 +409,7 @@ def all_gather_params(
     >>> mesh = Mesh(jax.devices()[:1], ("data",))
     >>> specs = {"w": P("data", None)}
     >>> def loss(params, x):
-    ...   full = mpx.all_gather_params(params, specs, "data", dtype="bfloat16")
+    ...   full = mpx.parallel.all_gather_params(params, specs, "data", dtype="bfloat16")
     ...   return jnp.mean((x.astype(jnp.bfloat16) @ full["w"]).astype(jnp.float32) ** 2)
     >>> grad = jax.shard_map(
     ...   jax.grad(loss), mesh=mesh, in_specs=(specs, P("data")), out_specs=specs

@@ -2,7 +2,7 @@
 
 A scanned ``tests/models.LlamaDecoder`` trains 2 steps fully sharded over 4
 devices (``{"data": 4}``, ``tests/layouts.llama_specs``, the optimizer state
-placed by ``mpx.state_shardings``). One policy holds every kind of state mpx
+placed by ``mpx.parallel.state_shardings``). One policy holds every kind of state mpx
 keeps: bfloat16 params with float32 masters, delayed-scaling float8 matmuls
 (amax histories in the model's ``"fp8_history"`` collection) and dynamic loss
 scaling (``loss_scale="torch"``). The first step's loss is inf: the step is
@@ -12,7 +12,7 @@ and the histories hold the second step's amaxes only.
 The train state (params, optimizer state, histories) is saved with orbax on
 that mesh and restored, through targets whose ``ShapeDtypeStruct``s carry the
 new shardings (params by ``llama_specs``, the optimizer state by
-``mpx.state_shardings``, histories replicated), onto a 2-way FSDP x 2-way
+``mpx.parallel.state_shardings``, histories replicated), onto a 2-way FSDP x 2-way
 tensor-parallel mesh and onto one device. The tests pin that every leaf comes
 back bitwise, with its mpx types, on its new sharding; and that 2 more steps on
 the FSDP x TP mesh equal bitwise the same steps from the in-memory state moved
@@ -115,7 +115,7 @@ _SCRIPT = textwrap.dedent(
         replicated = NamedSharding(mesh, P())
         return {
             "params": jax.tree.map(lambda x: x.sharding, params),
-            "opt_state": mpx.state_shardings(opt_state, params),
+            "opt_state": mpx.parallel.state_shardings(opt_state, params),
             # The amax histories: a few float32 numbers per matmul, replicated.
             **jax.tree.map(lambda _: replicated, collections),
         }
@@ -305,7 +305,7 @@ def test_the_saved_state_holds_a_skipped_step_masters_and_histories(report):
 
 
 def test_masters_are_sharded_like_their_params(report):
-  # mpx.state_shardings once replicated every master when some param had none.
+  # mpx.parallel.state_shardings once replicated every master when some param had none.
   assert report["masters_unlike_params"] == []
   for target in TARGETS:
     assert report["targets"][target]["masters_unlike_params"] == [], target

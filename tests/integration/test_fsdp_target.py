@@ -61,7 +61,7 @@ def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = Fa
   state = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
     opt_state,
-    mpx.state_shardings(opt_state, abstract_params),
+    mpx.parallel.state_shardings(opt_state, abstract_params),
   )
 
   def loss_fn(params, rest, tokens):
@@ -126,7 +126,9 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype
   assert bytes_by["all-reduce", "float32"] <= 4 * replicated + 64, bytes_by
 
 
-@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16", "mixed_float8"])
+# mixed_float8 under FSDP x TP gathers its weights in bfloat16 (docs/guide/multihost.md); its
+# compile, the slowest of these, is left to the docs table.
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_fsdp_with_tensor_parallelism_moves_activations_and_gradients_in_half_precision(policy):
   bytes_by, params, _ = _compile(policy, "fsdp_tp")
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))

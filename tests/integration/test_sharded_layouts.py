@@ -96,7 +96,7 @@ _SCRIPT = textwrap.dedent(
     for name, specs in LAYOUTS.items():
         psh = {k: NamedSharding(mesh, v) for k, v in specs.items()}
         params = jax.device_put(params0, psh)
-        ssh = mpx.state_shardings(jax.eval_shape(tx.init, params0), params)
+        ssh = mpx.parallel.state_shardings(jax.eval_shape(tx.init, params0), params)
         bsh = NamedSharding(mesh, P("data"))
         rep = NamedSharding(mesh, P())
         opt_state = jax.jit(tx.init, out_shardings=ssh)(params)

@@ -8,7 +8,7 @@ layout of ``LAYOUTS`` and every policy of ``POLICIES``, in one go, so the
 processes start (and join) once:
 
 * params sharded by ``tests/layouts.llama_specs``, the optimizer state by
-  ``mpx.state_shardings``, the batch rows over ``"data"`` with
+  ``mpx.parallel.state_shardings``, the batch rows over ``"data"`` with
   ``jax.make_array_from_process_local_data`` (each process builds only its
   own rows);
 * under ``mixed_float16`` the batch of step ``INF_STEP`` carries an inf loss
@@ -155,7 +155,7 @@ def main() -> None:
       host_params,
       param_shardings,
     )
-    state_shardings = mpx.state_shardings(jax.eval_shape(tx.init, params), params)
+    state_shardings = mpx.parallel.state_shardings(jax.eval_shape(tx.init, params), params)
 
     def loss_fn(params, batch):
       logits = model.apply({"params": params}, batch["tokens"][:, :-1])

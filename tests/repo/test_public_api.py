@@ -14,7 +14,7 @@ import mpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API_RST = ROOT / "docs" / "api.rst"
-NAMESPACES = ["mpx", "mpx.diagnostics", "mpx.fp8", "mpx.linen", "mpx.nnx"]
+NAMESPACES = ["mpx", "mpx.diagnostics", "mpx.fp8", "mpx.parallel", "mpx.linen", "mpx.nnx"]
 # The names that left the top level for a namespace; they resolve with a DeprecationWarning
 # for one release.
 MOVED = {
@@ -73,7 +73,7 @@ def test_the_top_level_stays_narrow():
   # The face names the policy, the optimizer wrappers, the train-step API, the kernels, the
   # audit and the errors; the rest lives in the namespaces.
   assert len(mpx.__all__) <= 50, len(mpx.__all__)
-  assert {"diagnostics", "fp8", "linen", "nnx"} <= set(mpx.__all__)
+  assert {"diagnostics", "fp8", "linen", "nnx", "parallel"} <= set(mpx.__all__)
   assert sorted(mpx.__all__) == list(mpx.__all__), "keep mpx.__all__ sorted"
 
 
@@ -167,7 +167,7 @@ def test_the_diagnostics_and_fp8_namespaces_import_neither_flax_nor_matplotlib()
   loaded = _loaded_after(
     """
     import jax.numpy as jnp
-    import mpx, mpx.diagnostics, mpx.fp8
+    import mpx, mpx.diagnostics, mpx.fp8, mpx.parallel
     assert mpx.diagnostics is __import__("sys").modules["mpx.diagnostics"]
     mpx.diagnostics.range_report({"w": jnp.ones(3)}, jnp.float16)
     mpx.fp8.quantize_dequantize(jnp.ones(3), jnp.float8_e4m3fn, scale=jnp.float32(1.0))

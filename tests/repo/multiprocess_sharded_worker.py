@@ -26,12 +26,12 @@ holds a shard, with a mask of the elements it holds.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import pathlib
 import sys
 from typing import Any
+
+import multiprocess_worker  # the shared command line and JAX start (same directory)
 
 STEPS = 4
 INF_STEP = 2
@@ -51,33 +51,10 @@ MODEL: dict[str, Any] = {
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--num-processes", type=int, required=True)
-  parser.add_argument("--process-id", type=int, default=0)
-  parser.add_argument("--port", type=int, default=0)
-  parser.add_argument("--out", type=pathlib.Path, required=True)
-  args = parser.parse_args()
-
-  local_devices = 2 if args.num_processes > 1 else 4
-  # Compiling dominates the test's time, so every run compared goes without LLVM's
-  # optimisations (which change no floating-point result, tests/conftest.py) and with
-  # XLA:CPU's older kernel emitters, which compile this step in about a third of the time
-  # (the same losses, to the last bit, here).
-  os.environ["XLA_FLAGS"] = " ".join(
-    [
-      f"--xla_force_host_platform_device_count={local_devices}",
-      "--xla_backend_optimization_level=0",
-      "--xla_cpu_use_fusion_emitters=false",
-    ]
-  )
+  args = multiprocess_worker.parse_args()
+  multiprocess_worker.start_jax(args)
   import jax
 
-  jax.config.update("jax_platforms", "cpu")
-  if args.num_processes > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-      f"localhost:{args.port}", num_processes=args.num_processes, process_id=args.process_id
-    )
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   import jax.numpy as jnp
   import numpy as np

@@ -27,17 +27,27 @@ INF_ROW = 13  # rows 8..15 belong to devices 2 and 3: process 1's
 POLICY = "params=float16,compute=float16,output=float32"
 
 
-def main() -> None:
+def parse_args(*extra: str) -> argparse.Namespace:
+  """The workers' command line: ``--num-processes``, ``--process-id``, ``--port``, ``--out``."""
   parser = argparse.ArgumentParser()
   parser.add_argument("--num-processes", type=int, required=True)
   parser.add_argument("--process-id", type=int, default=0)
   parser.add_argument("--port", type=int, default=0)
   parser.add_argument("--out", type=pathlib.Path, required=True)
-  parser.add_argument("--checkpoint", type=pathlib.Path, required=True)
-  args = parser.parse_args()
+  for name in extra:
+    parser.add_argument(name, type=pathlib.Path, required=True)
+  return parser.parse_args()
 
+
+def start_jax(args: argparse.Namespace) -> None:
+  """Starts JAX: 2 CPU devices per process and gloo collectives, or 4 devices alone.
+
+  Compiling dominates the tests' time, so every run compared goes without LLVM's
+  optimisations (which change no floating-point result, tests/conftest.py) and with
+  XLA:CPU's older kernel emitters, which compile these steps in about a third of the
+  time (the same losses, to the last bit).
+  """
   local_devices = 2 if args.num_processes > 1 else 4
-  # Compiling dominates: see multiprocess_sharded_worker.py for these flags.
   os.environ["XLA_FLAGS"] = " ".join(
     [
       f"--xla_force_host_platform_device_count={local_devices}",
@@ -53,6 +63,13 @@ def main() -> None:
     jax.distributed.initialize(
       f"localhost:{args.port}", num_processes=args.num_processes, process_id=args.process_id
     )
+
+
+def main() -> None:
+  args = parse_args("--checkpoint")
+  start_jax(args)
+  import jax
+
   jax.config.update("jax_numpy_dtype_promotion", "strict")
   import jax.numpy as jnp
   import numpy as np

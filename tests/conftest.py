@@ -40,14 +40,17 @@ def _strict_promotion():
 
 # The tests mirror the packages of mpx/_src (tests/scaling, tests/optim, ...); tests/integration
 # trains models end to end through several packages; tests/repo tests the repository around the
-# library (docs pages, the demo, the examples, the benchmark scripts, multi-process runs) and its
-# tests are marked ``repo``: ``pytest -m "not repo"`` is the fast unit loop, ``pytest`` (what CI
-# runs) is everything.
+# library (docs pages, the demo, the examples, the benchmark scripts, multi-process runs).
+# ``pytest`` (the README's test command) runs the library's tests in a few minutes; the tests
+# marked ``slow`` (all of tests/repo but the public API, whole-model GPU-target compiles) run in CI
+# after it, with ``pytest -m slow``.
 _REPO = pathlib.Path(__file__).resolve().parent / "repo"
+_FAST_IN_REPO = frozenset({"test_public_api.py"})
 
 
 def pytest_collection_modifyitems(config, items):
   del config
   for item in items:
-    if _REPO in item.path.resolve().parents:
-      item.add_marker(pytest.mark.repo)
+    path = item.path.resolve()
+    if _REPO in path.parents and path.name not in _FAST_IN_REPO:
+      item.add_marker(pytest.mark.slow)

@@ -34,6 +34,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.slow  # subprocesses on forced multi-device CPU meshes: CI runs it
+
 # bfloat16 params (float32 masters), bfloat16 compute, float8 matmuls with amax histories.
 POLICY = "params=bfloat16,compute=bfloat16,output=float32,fp8=delayed"
 LEARNING_RATE = 1e-3

@@ -26,9 +26,12 @@ import mpx
 from mpx._src.audit import compiled as compiled_lib
 from mpx._src.audit import targets
 
-pytestmark = pytest.mark.skipif(
-  not targets.plugin_available(), reason="jax's CUDA plugin (the gpu-target extra) is missing"
-)
+pytestmark = [
+  pytest.mark.slow,  # whole-model compiles for 16 GPUs: CI runs them after the README's tests
+  pytest.mark.skipif(
+    not targets.plugin_available(), reason="jax's CUDA plugin (the gpu-target extra) is missing"
+  ),
+]
 
 BATCH, LENGTH = 32, 64
 

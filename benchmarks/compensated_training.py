@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import pathlib
-import platform
 import warnings
 
 import flax.linen as nn
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from harness import results
 from sklearn.datasets import load_digits
 
 import mpx
@@ -188,9 +188,7 @@ def main() -> None:
   parser.add_argument("--out", default="benchmarks/results/compensated_training.json")
   args = parser.parse_args()
   report = {
-    "benchmark": "compensated_training",
-    "jax": jax.__version__,
-    "machine": f"{platform.machine()}, {jax.devices()[0].platform}",
+    **results.header("compensated_training"),
     "steps": args.steps,
     "stochastic_rounding_keys": len(SR_KEYS),
     "results": [],

@@ -17,15 +17,15 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import warnings
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness import results
+from harness.mlp import Mlp
 
 import mpx
 
@@ -37,16 +37,6 @@ RECIPES = {
   "mixed_float8_blockwise": "h100",
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "results"
-
-
-class Mlp(nn.Module):
-  width: int
-
-  @nn.compact
-  def __call__(self, x):
-    for _ in range(3):
-      x = nn.gelu(nn.Dense(self.width)(x))
-    return nn.Dense(self.width)(x)
 
 
 def target_row(policy: str, target: str, batch: int, width: int) -> dict:
@@ -157,10 +147,7 @@ def main() -> None:
   out.write_text(
     json.dumps(
       {
-        "command": "JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py"
-        + (" --smoke" if args.smoke else ""),
-        "date": datetime.date.today().isoformat(),
-        "jax": jax.__version__,
+        **results.header("fp8_recipes", env="JAX_PLATFORMS=cpu"),
         "mlp": {"batch": batch, "width": width, "layers": 4},
         "note": "compiled for the GPU without one: XLA's default kernel configs, no autotuning",
         "baselines": baselines,

@@ -21,7 +21,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import pathlib
 import statistics
@@ -37,8 +36,8 @@ import jax.numpy as jnp
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _gpu  # noqa: E402
-from fp8_recipes import Mlp  # noqa: E402
+from harness import gpu_figures, results  # noqa: E402
+from harness.mlp import Mlp  # noqa: E402
 
 import mpx  # noqa: E402
 
@@ -66,7 +65,7 @@ def _median_ms(run: Callable[[], Any], repeats: int) -> float:
 
 def _kernels(compiled: Any) -> list[str]:
   """``kind a x b`` of each GEMM kernel of a compiled program, sorted, with counts."""
-  gemms = _gpu.gemm_kernels(compiled.as_text())
+  gemms = gpu_figures.gemm_kernels(compiled.as_text())
   names = [f"{g.kind} {' x '.join(g.operand_dtypes)}" for g in gemms]
   return [f"{names.count(n)}x {n}" for n in sorted(set(names))]
 
@@ -159,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--smoke", action="store_true", help="128x128, 2 repeats, any backend")
   parser.add_argument("--out", help="JSON path (default results/fp8_speed[_smoke].json)")
   args = parser.parse_args(argv)
-  if not args.smoke and not _gpu.is_gpu():
+  if not args.smoke and not gpu_figures.is_gpu():
     parser.error("no GPU: this benchmark times a GPU (use --smoke to run its code path anywhere)")
   sizes = ["128x128"] if args.smoke else args.sizes
   repeats = 2 if args.smoke else args.repeats
@@ -176,13 +175,8 @@ def main(argv: list[str] | None = None) -> int:
       r["speedup_vs_bf16"] = base[r["tokens"], r["width"]] / r["step_ms"]
   gemms = gemm_rows(128 if args.smoke else args.gemm_size, repeats)
   report = {
-    "benchmark": "fp8_speed",
-    "command": "python benchmarks/fp8_speed.py "
-    + " ".join(argv if argv is not None else sys.argv[1:]),
-    "date": datetime.date.today().isoformat(),
-    "device_kind": device.device_kind,
+    **results.header("fp8_speed", argv),
     "backend": jax.default_backend(),
-    "jax": jax.__version__,
     "note": "median wall time of jitted calls, each waited for; XLA autotuned on this device",
     "steps": steps,
     "gemms": gemms,

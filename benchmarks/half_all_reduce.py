@@ -31,6 +31,7 @@ os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={DEV
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from harness import results  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
@@ -163,10 +164,9 @@ def main() -> None:
       rows.append(row)
       print(json.dumps(row))
   report = {
-    "benchmark": "half_all_reduce",
-    "jax_version": jax.__version__,
+    **results.header("half_all_reduce"),
     "backend": jax.default_backend(),
-    "devices": DEVICES,
+    "device_count": DEVICES,
     "model": settings.model.__dict__,
     "local_batch": settings.batch_size,
     "steps": settings.steps,

@@ -1,6 +1,6 @@
 """Which kernels dynamic loss scaling adds to the GPT-2 (124M) train step compiled for an H100.
 
-Compiles (never runs) the ``gpt2_linen`` step of ``_setups.py`` for ``--target`` with
+Compiles (never runs) the ``gpt2_linen`` step of ``setups.py`` for ``--target`` with
 ``mpx.audit(..., target=...)`` (deviceless; XLA's default kernel configs, no autotuning)
 under ``mpx_bf16``, ``mpx_f16`` without loss scaling and ``mpx_f16`` with dynamic loss
 scaling, and prints the kernels, bytes and memory of each, then the kernels the loss scaling
@@ -23,14 +23,14 @@ import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import _setups
+from harness import setups
 
 import mpx
 
 
 def _audit(config: str, target: str, smoke: bool, loss_scale: str | None = "dynamic") -> tuple:
-  setup = _setups.build("gpt2_linen", config, smoke=smoke, loss_scale=loss_scale)
-  carry, batch = _setups.abstract_carry(setup)
+  setup = setups.build("gpt2_linen", config, smoke=smoke, loss_scale=loss_scale)
+  carry, batch = setups.abstract_carry(setup)
   report = mpx.audit(jax.jit(setup.step, donate_argnums=(0,)), carry, batch, target=target)
   leaves = len(jax.tree.leaves(carry[0]))
   print(

@@ -2,7 +2,7 @@
 
 Compiles the same float16-compute GPT train step (forward, backward, adamw,
 params and optimizer state donated) without loss scaling and with each
-candidate formulation (``_loss_scale_steps.py`` writes the steps and the model),
+candidate formulation (``loss_scale_steps.py`` writes the steps and the model),
 and reports per candidate:
 
 * ``reads``: extra bytes accessed (XLA ``cost_analysis()``) over the baseline,
@@ -33,10 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _gpt
-import _loss_scale_steps as steps
-import _measure
-from _loss_scale_steps import Batch, Candidate, PyTree
+from harness import figures, gpt, results
+from harness import loss_scale_steps as steps
+from harness.loss_scale_steps import Batch, Candidate, PyTree
 
 DEFAULT_OUT = os.path.join(
   os.path.dirname(os.path.abspath(__file__)), "results", "loss_scale_overhead.json"
@@ -96,15 +95,15 @@ def measure(cand: Candidate, params: PyTree, batch: Batch, *, repeats: int) -> d
   t0 = time.perf_counter()
   compiled = jax.jit(cand.step, donate_argnums=cand.donate).lower(params, state, batch).compile()
   compile_s = time.perf_counter() - t0
-  figures = _measure.compiler_figures(compiled)
+  compiler = figures.compiler_figures(compiled)
   result: dict[str, Any] = {
     "name": cand.name,
     "description": cand.description,
     "donate_argnums": list(cand.donate),
-    "bytes_accessed": figures["bytes_accessed"],
-    "flops": figures["flops"],
-    "temp_bytes": int(figures["temp_bytes"]),
-    "fusions": int(figures["fusions"]),
+    "bytes_accessed": compiler["bytes_accessed"],
+    "flops": compiler["flops"],
+    "temp_bytes": int(compiler["temp_bytes"]),
+    "fusions": int(compiler["fusions"]),
     "compile_s": compile_s,
     "atomic": None,
   }
@@ -124,7 +123,7 @@ def measure(cand: Candidate, params: PyTree, batch: Batch, *, repeats: int) -> d
 
 
 def run(
-  config: _gpt.GPTConfig,
+  config: gpt.GPTConfig,
   *,
   repeats: int = 3,
   names: list[str] | None = None,
@@ -152,8 +151,7 @@ def run(
       and row["extra_fusions_per_leaf"] <= TARGET_FUSIONS_PER_LEAF
     )
   return {
-    "benchmark": "loss_scale_overhead",
-    "jax_version": jax.__version__,
+    **results.header("loss_scale_overhead"),
     "backend": jax.default_backend(),
     "config": dataclasses.asdict(config),
     "param_count": int(n_params),

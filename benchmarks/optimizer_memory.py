@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from harness import results
 
 import mpx
 import mpx.demo as demo
@@ -277,14 +277,12 @@ def main() -> None:
     r.pop("fingerprints", None)
   out = args.out or (f"benchmarks/results/optimizer_memory{'_smoke' if args.smoke else ''}.json")
   report = {
+    **results.header("optimizer_memory"),
     "settings": {
       "steps": steps,
       "smoke": args.smoke,
       "min_size": args.min_size,
       "param_count": demo_param_count,
-      "jax": jax.__version__,
-      "machine": platform.machine(),
-      "device": str(jax.devices()[0].device_kind),
     },
     "rows": rows,
   }

@@ -21,6 +21,7 @@ import sys
 
 import jax
 import numpy as np
+from harness import results
 
 TESTS = pathlib.Path(__file__).resolve().parent.parent / "tests"
 # The test modules, and the modules beside them that they import (tests/models.py ...).
@@ -76,7 +77,9 @@ def main() -> None:
     )
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)
-  out.write_text(json.dumps({"jax": jax.__version__, "rows": rows}, indent=2) + "\n")
+  out.write_text(
+    json.dumps({**results.header("precision_tracking"), "rows": rows}, indent=2) + "\n"
+  )
 
 
 if __name__ == "__main__":

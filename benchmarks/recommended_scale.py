@@ -100,8 +100,7 @@ def main(argv: list[str] | None = None) -> None:
       f"| {row['val_loss']:.4f} | {row['val_minus_float32']:+.4f} |"
     )
   report = {
-    "benchmark": "recommended_scale",
-    "command": "python benchmarks/recommended_scale.py" + (" --quick" if args.quick else ""),
+    **results.header("recommended_scale"),
     "steps": settings.steps,
     "recommendation": {
       "scale": scale,

@@ -1,7 +1,7 @@
 """Saved-residual bytes and convert ops of each model's train step, float32 against the mixed configurations.
 
-The residual bytes (``_measure.saved_residual_bytes``) and convert counts
-(``_measure.count_converts``) that ``run.py`` reports, for a few
+The residual bytes (``figures.saved_residual_bytes``) and convert counts
+(``figures.count_converts``) that ``run.py`` reports, for a few
 configurations side by side in one process, without compiling anything (a
 full-size GPT-2 takes seconds). It uses nothing of mpx but its public API, so
 it also measures another version of mpx put first on ``PYTHONPATH``, e.g. the
@@ -26,9 +26,8 @@ from typing import Any
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _measure  # noqa: E402
-import _setups  # noqa: E402
 import jax  # noqa: E402
+from harness import figures, setups  # noqa: E402
 
 import mpx  # noqa: E402
 
@@ -38,26 +37,26 @@ DEFAULT_CONFIGS = ("f32", "bf16_flax", "mpx_bf16", "mpx_bf16_flax_norms")
 def measure(model: str, config: str, *, smoke: bool) -> dict[str, Any]:
   """Residual bytes and convert count of one configuration's train step."""
   try:
-    setup = _setups.build(model, config, smoke=smoke)
+    setup = setups.build(model, config, smoke=smoke)
   except TypeError as e:  # an older mpx without the option this configuration needs
     return {"model": model, "config": config, "error": str(e)}
-  with _setups.precision_scope(setup):
-    carry, batch = _setups.abstract_carry(setup)
+  with setups.precision_scope(setup):
+    carry, batch = setups.abstract_carry(setup)
     params, _, state = carry
-    residuals = _measure.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
+    residuals = figures.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
     lowered = jax.jit(setup.step, donate_argnums=0).lower(carry, batch)
   return {
     "model": model,
     "config": config,
     "residual_bytes": residuals,
-    "converts": _measure.count_converts(lowered.as_text()),
+    "converts": figures.count_converts(lowered.as_text()),
   }
 
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
   parser.add_argument("--smoke", action="store_true", help="tiny models")
-  parser.add_argument("--models", nargs="+", default=list(_setups.MODELS))
+  parser.add_argument("--models", nargs="+", default=list(setups.MODELS))
   parser.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS))
   parser.add_argument("--out", help="JSON path (default: print only)")
   args = parser.parse_args(argv)

@@ -3,7 +3,7 @@
 One process per (model, configuration), so that each compiles alone and, on
 a GPU, reports its own peak memory (``--smoke`` runs them all in this process,
 one after the other, since its tiny models have no memory to report). The configurations and models are listed
-in ``benchmarks/_setups.py``.
+in ``benchmarks/setups.py``.
 
 CPU mode (always; no accelerator needed): deterministic figures of the
 compiled train step (forward, backward, adamw update): XLA's flops and bytes
@@ -23,7 +23,7 @@ a float32 GEMM in a mixed configuration fails the run.
 
 Target mode (``--target h100``, ``h100x8``, ``a100``...; needs jax's CUDA plugin, no GPU):
 each step compiled for that GPU without one, and its optimised program read
-(``benchmarks/_target.py``): GEMM kernels by backend and the dtypes they
+(``benchmarks/deviceless.py``): GEMM kernels by backend and the dtypes they
 multiply, the fp8 share, XLA's memory for the GPU, kernels launched and bytes
 moved, collectives (several GPUs: data-parallel, batch sharded, the rest
 replicated), and a roofline estimate of the step time (a model, not a
@@ -43,11 +43,8 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
-import os
 import pathlib
-import platform
 import subprocess
 import sys
 import tempfile
@@ -90,16 +87,15 @@ def _audit_fields(report: Any) -> dict[str, Any]:
 def _gpu_figures(
   setup: Any, compiled: Any, report: Any, *, smoke: bool, steps: int
 ) -> dict[str, Any]:
-  import _gpu
-  import _setups
   import jax
+  from harness import gpu_figures, setups
 
   device = jax.devices()[0]
-  carry, batch = _setups.device_carry(setup)
-  times = _gpu.time_steps(compiled, carry, batch, steps=steps, warmup=5)
-  step_ms = _gpu.median_ms(times)
-  peak = _gpu.half_peak_tflops(device.device_kind)
-  gemms = _gpu.gemm_kernels(compiled.as_text())
+  carry, batch = setups.device_carry(setup)
+  times = gpu_figures.time_steps(compiled, carry, batch, steps=steps, warmup=5)
+  step_ms = gpu_figures.median_ms(times)
+  peak = gpu_figures.half_peak_tflops(device.device_kind)
+  gemms = gpu_figures.gemm_kernels(compiled.as_text())
   figures: dict[str, Any] = {
     "device_kind": device.device_kind,
     "steps": steps,
@@ -109,16 +105,18 @@ def _gpu_figures(
     "peak_name": peak[0] if peak else None,
     "peak_tflops": peak[1] if peak else None,
     "mfu": report.total_flops / (step_ms / 1e3) / (peak[1] * 1e12) if peak else None,
-    "peak_memory_bytes": _gpu.peak_memory_bytes(),
+    "peak_memory_bytes": gpu_figures.peak_memory_bytes(),
     "gemms": [g.__dict__ for g in gemms],
     "float32_gemms": sum(g.is_float32 for g in gemms),
   }
   if setup.config == "mpx_f16":  # the same step without loss scaling
-    plain = _setups.build(setup.model, setup.config, smoke=smoke, loss_scale=None)
-    carry_spec, batch_spec = _setups.abstract_carry(plain)
+    plain = setups.build(setup.model, setup.config, smoke=smoke, loss_scale=None)
+    carry_spec, batch_spec = setups.abstract_carry(plain)
     plain_compiled = jax.jit(plain.step, donate_argnums=0).lower(carry_spec, batch_spec).compile()
-    carry, batch = _setups.device_carry(plain)
-    plain_ms = _gpu.median_ms(_gpu.time_steps(plain_compiled, carry, batch, steps=steps, warmup=5))
+    carry, batch = setups.device_carry(plain)
+    plain_ms = gpu_figures.median_ms(
+      gpu_figures.time_steps(plain_compiled, carry, batch, steps=steps, warmup=5)
+    )
     figures["no_loss_scaling_step_ms_median"] = plain_ms
     figures["loss_scaling_overhead_ms"] = step_ms - plain_ms
   return figures
@@ -135,42 +133,40 @@ def worker(
 ) -> None:
   """Measures one configuration of one model (compiled for ``target`` if given) and writes its row as JSON."""
   if target:
-    import _target
+    from harness import deviceless
 
-    out.write_text(json.dumps(_target.row(model, config, target, smoke=smoke), indent=2) + "\n")
+    out.write_text(json.dumps(deviceless.row(model, config, target, smoke=smoke), indent=2) + "\n")
     return
-  import _gpu
-  import _measure
-  import _setups
   import jax
+  from harness import figures, gpu_figures, setups
 
   import mpx
 
   start = time.perf_counter()
-  setup = _setups.build(model, config, smoke=smoke)
-  with _setups.precision_scope(setup):
-    carry, batch = _setups.abstract_carry(setup)
+  setup = setups.build(model, config, smoke=smoke)
+  with setups.precision_scope(setup):
+    carry, batch = setups.abstract_carry(setup)
     lowered = jax.jit(setup.step, donate_argnums=0).lower(carry, batch)
     compiled = lowered.compile()
     params, _, state = carry
-    residuals = _measure.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
+    residuals = figures.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
   report = mpx.audit(lowered, policy=setup.policy)
   row: dict[str, Any] = {
     "model": model,
     "config": config,
     "param_count": sum(x.size for x in jax.tree.leaves(params)),
     "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
-    **_measure.compiler_figures(compiled),
+    **figures.compiler_figures(compiled),
     "residual_bytes": residuals,
-    "converts": _measure.count_converts(lowered.as_text()),
+    "converts": figures.count_converts(lowered.as_text()),
     "audit": _audit_fields(report),
     "backend": jax.default_backend(),
   }
-  if _gpu.is_gpu():
+  if gpu_figures.is_gpu():
     row["gpu"] = _gpu_figures(setup, compiled, report, smoke=smoke, steps=steps)
   row["seconds"] = time.perf_counter() - start
   out.write_text(json.dumps(row, indent=2) + "\n")
-  if row.get("gpu") and config in _setups.MIXED and row["gpu"]["float32_gemms"]:
+  if row.get("gpu") and config in setups.MIXED and row["gpu"]["float32_gemms"]:
     raise SystemExit(
       f"{model}/{config}: {row['gpu']['float32_gemms']} float32 GEMMs in a mixed configuration"
     )
@@ -304,25 +300,17 @@ def _target_report(
   rows: list[dict], args: argparse.Namespace, argv: list[str] | None, start: float
 ) -> int:
   """Writes and prints a ``--target`` run: JSON, then the table."""
-  import _setups
-  import _target
-  import jax
+  from harness import deviceless, results, setups
 
   report: dict[str, Any] = {
-    "benchmark": "run --target",
+    **results.header("run", argv, env="JAX_PLATFORMS=cpu"),
     "target": args.target,
-    "date": datetime.date.today().isoformat(),
-    "command": " ".join(
-      ["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]
-    ),
     "smoke": args.smoke,
-    "jax_version": jax.__version__,
-    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
-    "note": _target.NOTE,
-    "roofline_note": _target.ROOFLINE_NOTE,
-    "collective_note": _target.COLLECTIVE_NOTE,
+    "note": deviceless.NOTE,
+    "roofline_note": deviceless.ROOFLINE_NOTE,
+    "collective_note": deviceless.COLLECTIVE_NOTE,
     "measured_step_times": "none: no GPU was used; the roofline figures are a model",
-    "configs": {c: _setups.CONFIGS[c] for c in args.configs},
+    "configs": {c: setups.CONFIGS[c] for c in args.configs},
     "rows": rows,
     "seconds": time.perf_counter() - start,
   }
@@ -330,7 +318,7 @@ def _target_report(
   out = pathlib.Path(args.out or RESULTS / f"{name}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(report, indent=2) + "\n")
-  print(_target.format_table(rows))
+  print(deviceless.format_table(rows))
   print(f"{len(rows)} configurations in {report['seconds']:.0f} s; JSON: {out}")
   failed = [r for r in rows if "error" in r]
   for r in failed:
@@ -339,11 +327,11 @@ def _target_report(
 
 
 def main(argv: list[str] | None = None) -> int:
-  import _setups
+  from harness import results, setups
 
   parser = argparse.ArgumentParser(
     description=(__doc__ or "").splitlines()[0],
-    epilog="Models: " + ", ".join(_setups.MODELS) + ". Configs: " + ", ".join(_setups.CONFIGS),
+    epilog="Models: " + ", ".join(setups.MODELS) + ". Configs: " + ", ".join(setups.CONFIGS),
   )
   parser.add_argument("--smoke", action="store_true", help="tiny models (CI)")
   parser.add_argument(
@@ -357,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     help="rewrite docs/benchmarks.md's target section from results/target_h100[x8].json",
   )
   parser.add_argument("--models", nargs="+", default=None, metavar="MODEL")
-  parser.add_argument("--configs", nargs="+", default=list(_setups.CONFIGS), metavar="CONFIG")
+  parser.add_argument("--configs", nargs="+", default=list(setups.CONFIGS), metavar="CONFIG")
   parser.add_argument("--out", help="JSON path (default benchmarks/results/run[_smoke].json)")
   parser.add_argument("--steps", type=int, default=50, help="timed steps per configuration (GPU)")
   parser.add_argument("--jobs", type=int, default=1, help="workers at once (CPU mode)")
@@ -385,18 +373,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     return 0
   if args.write_docs:
-    import _target
+    from harness import deviceless
 
     multi = RESULTS / "target_h100x8.json"
-    _target.write_docs(
+    deviceless.write_docs(
       HERE.parent / "docs" / "benchmarks.md",
       json.loads((RESULTS / "target_h100.json").read_text()),
       json.loads(multi.read_text()) if multi.exists() else None,
     )
     return 0
   if args.models is None:
-    args.models = list(TARGET_MODELS if args.target else _setups.MODELS)
-  unknown = set(args.models) - set(_setups.MODELS) | set(args.configs) - set(_setups.CONFIGS)
+    args.models = list(TARGET_MODELS if args.target else setups.MODELS)
+  unknown = set(args.models) - set(setups.MODELS) | set(args.configs) - set(setups.CONFIGS)
   if unknown:
     parser.error(f"unknown models/configs {sorted(unknown)}")
 
@@ -414,15 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     return _target_report(rows, args, argv, start)
   _add_ratios(rows)
   report: dict[str, Any] = {
-    "benchmark": "run",
-    "date": datetime.date.today().isoformat(),
-    "command": " ".join(
-      ["python", "benchmarks/run.py", *(argv if argv is not None else sys.argv[1:])]
-    ),
+    **results.header("run", argv),
     "smoke": args.smoke,
-    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
     "backend": next((r["backend"] for r in rows if "backend" in r), None),
-    "configs": {c: _setups.CONFIGS[c] for c in args.configs},
+    "configs": {c: setups.CONFIGS[c] for c in args.configs},
     "rows": rows,
     "targets": _targets(rows),
   }

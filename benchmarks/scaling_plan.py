@@ -1,7 +1,7 @@
 """The scale-out plan: Llama 1B and 8B train steps compiled for 8 and 16 H100s, per layout and policy.
 
 For each (model, target, policy, layout), compiles (never runs) one adamw train step of
-``_llama.Llama`` for the GPU target with jax's CUDA plugin, deviceless: no GPU is used and no
+``llama.Llama`` for the GPU target with jax's CUDA plugin, deviceless: no GPU is used and no
 autotuning runs, so every kernel is XLA's default choice. The layouts:
 
 * ``fsdp``: every GPU on one mesh axis ``"data"``; the batch and each matrix's model-width
@@ -13,8 +13,8 @@ autotuning runs, so every kernel is XLA's default choice. The layouts:
   each other over ``"replica"`` (hybrid sharding: the batch is split over both axes, and only
   the gradients of each GPU's shard cross hosts, all-reduced).
 
-The params are placed by their logical axes (``nn.with_logical_partitioning`` in ``_llama.py``,
-mapped with ``nn.logical_to_mesh_sharding`` and ``_llama.RULES``) and the optimizer state
+The params are placed by their logical axes (``nn.with_logical_partitioning`` in ``llama.py``,
+mapped with ``nn.logical_to_mesh_sharding`` and ``llama.RULES``) and the optimizer state
 (adamw's moments, like the params) by ``mpx.parallel.state_shardings``. Every layout runs the same
 global batch, ``--batch-per-gpu`` sequences of ``--seq`` tokens per GPU.
 
@@ -40,26 +40,22 @@ from __future__ import annotations
 
 import argparse
 import collections
-import datetime
 import json
 import math
-import os
 import pathlib
-import platform
 import re
 import sys
 import time
 import warnings
 from typing import Any
 
-import _llama
-import _target
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.linen import spmd
+from harness import deviceless, llama, results
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -69,7 +65,7 @@ from mpx._src.audit import device_peaks, targets
 from mpx._src.audit import target_report as target_report_lib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "scaling"
-MODELS = {c.name: c for c in (_llama.LLAMA_1B, _llama.LLAMA_8B, _llama.TINY)}
+MODELS = {c.name: c for c in (llama.LLAMA_1B, llama.LLAMA_8B, llama.TINY)}
 TARGETS = ("h100x8", "2xh100x8")
 POLICIES = ("mixed_bfloat16", "mixed_float16", "mixed_float8")
 LAYOUTS = ("fsdp", "fsdp_tp", "hsdp")
@@ -129,7 +125,7 @@ def _sharded(tree: Any, shardings: Any) -> Any:
 
 
 def compile_step(
-  config: _llama.LlamaConfig,
+  config: llama.LlamaConfig,
   policy: str,
   mesh: Mesh,
   *,
@@ -149,14 +145,14 @@ def compile_step(
     ``(compiled, params)``: the compiled step and the params as ``ShapeDtypeStruct``\\ s with
     their shardings.
   """
-  model = mpx.linen.apply_policy(_llama.Llama(config), policy)
+  model = mpx.linen.apply_policy(llama.Llama(config), policy)
   tokens = jax.ShapeDtypeStruct((batch_per_gpu * mesh.size, seq + 1), jnp.int32)
   inputs = jax.ShapeDtypeStruct((1, seq), jnp.int32)
   boxed = jax.eval_shape(model.init, jax.random.key(0), inputs)["params"]
   batch_axes = tuple(a for a in ("replica", "data") if a in mesh.axis_names)
   rules = [
     (name, batch_axes if name == "batch" else axis if axis in mesh.axis_names else None)
-    for name, axis in _llama.RULES
+    for name, axis in llama.RULES
   ]
   shardings = spmd.logical_to_mesh_sharding(nn.get_partition_spec(boxed), mesh, rules)
   params = _sharded(nn.meta.unbox(boxed), shardings)
@@ -299,14 +295,14 @@ def collective_rows(text: str, target: targets.Target) -> list[dict[str, Any]]:
 def compute_roofline(text: str, device_kind: str, policy: str) -> dict[str, Any]:
   """The compute side of the roofline: each kernel at ``max(FLOPs / peak, bytes / bandwidth)``.
 
-  The model of ``_target.roofline`` (its operand classes and the target's HBM bandwidth), with
+  The model of ``deviceless.roofline`` (its operand classes and the target's HBM bandwidth), with
   the collectives left out (modelled apart, :func:`collective_rows`) and the memory-bound time of
   the attention's kernels (XLA's unfused softmax over the ``T x T`` scores) reported apart.
 
   Args:
     text: ``compiled.as_text()``.
     device_kind: the target's device kind (its peaks: ``device_peaks``).
-    policy: the policy (for ``_target.operand_class``).
+    policy: the policy (for ``deviceless.operand_class``).
 
   Returns:
     ``ms``, ``compute_bound_ms``, ``memory_bound_ms``, ``attention_memory_bound_ms`` and
@@ -315,12 +311,12 @@ def compute_roofline(text: str, device_kind: str, policy: str) -> dict[str, Any]
   name = device_peaks.device_name(device_kind)
   if name is None:
     raise ValueError(f"no peaks known for {device_kind}")
-  peaks, bandwidth = device_peaks.PEAK_TFLOPS[name], _target.memory_bandwidth("h100")
+  peaks, bandwidth = device_peaks.PEAK_TFLOPS[name], deviceless.memory_bandwidth("h100")
   flops: dict[str, dict[str, float]] = {}  # kernel -> operand class -> FLOPs per step
   by_class: collections.Counter[str] = collections.Counter()
   for g in compiled_lib.gemms(text):
     gemm = target_report_lib.TargetGemm(**g)
-    cls = _target.operand_class(gemm, policy)
+    cls = deviceless.operand_class(gemm, policy)
     per = flops.setdefault(gemm.kernel, {})
     per[cls] = per.get(cls, 0.0) + gemm.flops
     by_class[cls] += gemm.flops
@@ -346,7 +342,7 @@ def compute_roofline(text: str, device_kind: str, policy: str) -> dict[str, Any]
   }
 
 
-def model_flops(config: _llama.LlamaConfig, tokens: int, seq: int) -> float:
+def model_flops(config: llama.LlamaConfig, tokens: int, seq: int) -> float:
   """Training FLOPs of one step: ``tokens (6 N + 12 L T d)`` (see :data:`MFU_NOTE`)."""
   n = config.param_count - config.vocab_size * config.features  # the embedding lookup is free
   return tokens * (6 * n + 12 * config.num_layers * seq * config.features)
@@ -446,7 +442,7 @@ def _gib(x: float) -> str:
 
 
 def _dtype(name: str) -> str:
-  return _target._dtype(name)  # pyright: ignore[reportPrivateUsage]
+  return deviceless._dtype(name)  # pyright: ignore[reportPrivateUsage]
 
 
 def comm_cell(r: dict[str, Any]) -> str:
@@ -562,12 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = previous.get("commands", [previous.get("command")]) + commands
     models = list(dict.fromkeys([*previous["models"], *models]))
   report: dict[str, Any] = {
-    "benchmark": "scaling_plan",
-    "date": datetime.date.today().isoformat(),
+    **results.header("scaling_plan", env="JAX_PLATFORMS=cpu"),
     "commands": commands,  # with --keep, the runs whose rows were kept, then this one
     "smoke": args.smoke,
-    "jax_version": jax.__version__,
-    "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, no GPU",
     "note": NOTE,
     "comm_note": COMM_NOTE,
     "time_note": TIME_NOTE,

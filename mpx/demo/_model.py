@@ -1,6 +1,6 @@
 """A small character-level GPT, written in plain Flax linen with no dtype argument.
 
-Adapted from ``benchmarks/_gpt.py``: the same pre-norm decoder (learned
+Adapted from ``benchmarks/gpt.py``: the same pre-norm decoder (learned
 positions, Flax attention, GELU MLP, untied head), but with every dtype left
 out, so a precision policy reaches it from the outside through
 ``mpx.linen.apply_policy``, the way a user's model does. Each block passes its

@@ -27,11 +27,9 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _gpu
-import _loss_scale_steps as steps
-import _measure
-import _setups
 import loss_scale_overhead as bench
+from harness import figures, gpu_figures, setups
+from harness import loss_scale_steps as steps
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -146,12 +144,12 @@ def test_saved_residual_bytes_counts_what_the_backward_keeps(dtype):
     return loss(w, x), {"unused": x}
 
   itemsize = np.dtype(dtype).itemsize
-  assert _measure.saved_residual_bytes(loss, w, x) == itemsize * (m * k + m * n)
+  assert figures.saved_residual_bytes(loss, w, x) == itemsize * (m * k + m * n)
   spec = jax.ShapeDtypeStruct((m, k), dtype)
-  assert _measure.saved_residual_bytes(loss_with_aux, w, spec, has_aux=True) == itemsize * (
+  assert figures.saved_residual_bytes(loss_with_aux, w, spec, has_aux=True) == itemsize * (
     m * k + m * n
   )
-  linear = _measure.saved_residual_bytes(lambda w, x: jnp.sum(x @ w).astype(jnp.float32), w, x)
+  linear = figures.saved_residual_bytes(lambda w, x: jnp.sum(x @ w).astype(jnp.float32), w, x)
   assert linear == itemsize * m * k  # no activation function: only x
 
 
@@ -160,7 +158,7 @@ def test_count_converts():
     return x.astype(jnp.bfloat16).astype(jnp.float32) + x
 
   text = jax.jit(f).lower(jnp.ones(4)).as_text()
-  assert _measure.count_converts(text) == 2
+  assert figures.count_converts(text) == 2
 
 
 GPU_HLO = """\
@@ -194,7 +192,7 @@ ENTRY %main.2 (p0: f32[64,128], p1: bf16[128,256], p2: f32[256,32], p3: f32[32,1
 
 
 def test_gemm_kernels_lists_kernels_with_the_types_they_multiply():
-  gemms = {g.name: g for g in _gpu.gemm_kernels(GPU_HLO)}
+  gemms = {g.name: g for g in gpu_figures.gemm_kernels(GPU_HLO)}
 
   assert set(gemms) == {"triton_gemm_dot.1", "custom-call.1", "dot.7"}
   triton = gemms["triton_gemm_dot.1"]  # the fused convert: a bfloat16 GEMM
@@ -227,7 +225,7 @@ ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[16,128], s: f32[]) -> f32[64,16] {
 
 def test_gemm_kernels_names_float8_operands():
   # An H200 run listed these as "? x ?": the element pattern stopped at f8e4m3fn's digits.
-  [gemm] = _gpu.gemm_kernels(FP8_HLO)
+  [gemm] = gpu_figures.gemm_kernels(FP8_HLO)
   assert (gemm.kind, gemm.operand_dtypes, gemm.result_dtype) == (
     "cublasLt",
     ("f8e4m3fn", "f8e4m3fn"),
@@ -237,9 +235,9 @@ def test_gemm_kernels_names_float8_operands():
 
 
 def test_half_peak_table():
-  assert _gpu.half_peak_tflops("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989.0)
-  assert _gpu.half_peak_tflops("NVIDIA H100 PCIe") == ("H100 PCIe", 756.0)
-  assert _gpu.half_peak_tflops("Some Other GPU") is None
+  assert gpu_figures.half_peak_tflops("NVIDIA H100 80GB HBM3") == ("H100 SXM", 989.0)
+  assert gpu_figures.half_peak_tflops("NVIDIA H100 PCIe") == ("H100 PCIe", 756.0)
+  assert gpu_figures.half_peak_tflops("Some Other GPU") is None
 
 
 # The lean norms' targets (docs/benchmarks.md): saved residuals of the mixed_bfloat16
@@ -252,12 +250,12 @@ MARGIN = 0.05
 
 
 def _residuals_and_converts(model: str, config: str) -> tuple[int, int]:
-  setup = _setups.build(model, config, smoke=True)
-  carry, batch = _setups.abstract_carry(setup)
+  setup = setups.build(model, config, smoke=True)
+  carry, batch = setups.abstract_carry(setup)
   params, _, state = carry
-  residuals = _measure.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
+  residuals = figures.saved_residual_bytes(setup.loss_fn, params, state, batch, has_aux=True)
   lowered = jax.jit(setup.step).lower(carry, batch)
-  return residuals, _measure.count_converts(lowered.as_text())
+  return residuals, figures.count_converts(lowered.as_text())
 
 
 @pytest.mark.parametrize("model", list(TARGETS))

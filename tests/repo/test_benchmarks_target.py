@@ -1,6 +1,6 @@
 """Tests of the GPU-target benchmarks: ``run.py --target`` and ``loss_scale_kernels.py``.
 
-The roofline model and the table of ``_target.py`` on a made-up report, the
+The roofline model and the table of ``deviceless.py`` on a made-up report, the
 docs section rendered from the committed results, and ``--target h100
 --smoke`` / ``--target h100x8 --smoke`` / ``loss_scale_kernels.py --smoke``
 in subprocesses (compiled for the GPU without one; skipped without jax's
@@ -22,8 +22,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import _setups
-import _target
+from harness import deviceless, setups
 
 from mpx._src.audit import targets
 
@@ -42,7 +41,7 @@ def _gemm(kernel, flops, dtype):
 
 
 def test_roofline_takes_the_slower_of_flops_and_bytes_per_kernel():
-  bandwidth = _target.memory_bandwidth("h100")
+  bandwidth = deviceless.memory_bandwidth("h100")
   assert bandwidth == 3352320000000.0
   report = types.SimpleNamespace(
     device_kind="NVIDIA H100 80GB HBM3",
@@ -56,17 +55,17 @@ def test_roofline_takes_the_slower_of_flops_and_bytes_per_kernel():
       {"name": "loop_fusion", "count": 3, "bytes": int(1e-3 * bandwidth)},
     ],
   )
-  roof = _target.roofline(report, "f32", "h100")
+  roof = deviceless.roofline(report, "f32", "h100")
   assert roof["compute_bound_ms"] == pytest.approx(1.0)
   assert roof["memory_bound_ms"] == pytest.approx(7.0)
   assert roof["gemm_ms"] == pytest.approx(5.0)
   assert roof["ms"] == pytest.approx(8.0)
   assert "not a measurement" in roof["note"]
   # f32_highest: float32 operands at the float32 peak (66.9 TFLOP/s), not TF32.
-  highest = _target.roofline(report, "f32_highest", "h100")
+  highest = deviceless.roofline(report, "f32_highest", "h100")
   assert highest["compute_bound_ms"] == pytest.approx(1.0 + 494.7 / 66.9 * 1e3 / 1e3)
   report.device_kind = "an unknown GPU"
-  assert _target.roofline(report, "f32", "h100") is None
+  assert deviceless.roofline(report, "f32", "h100") is None
 
 
 def test_target_table_cells():
@@ -77,8 +76,8 @@ def test_target_table_cells():
     ],
     "collectives": [{"kind": "all-reduce", "dtype": "float32", "count": 2, "bytes": 3 * 2**20}],
   }
-  assert _target.gemm_cell(row) == "3 triton bf16, 1 cudnn conv f16xf32"
-  assert _target.collective_cell(row) == "2 all-reduce f32 3.0 MiB"
+  assert deviceless.gemm_cell(row) == "3 triton bf16, 1 cudnn conv f16xf32"
+  assert deviceless.collective_cell(row) == "2 all-reduce f32 3.0 MiB"
 
 
 needs_plugin = pytest.mark.skipif(
@@ -161,9 +160,9 @@ def test_run_target_h100x8_smoke_has_the_gradient_all_reduce(tmp_path):
 
 
 def _gpt_smoke_batch():
-  import _gpt
+  from harness import gpt
 
-  return _gpt.GPTConfig.smoke().batch_size
+  return gpt.GPTConfig.smoke().batch_size
 
 
 def test_docs_target_section_is_the_rendering_of_the_results():
@@ -174,9 +173,9 @@ def test_docs_target_section_is_the_rendering_of_the_results():
   multi = json.loads(multi_path.read_text()) if multi_path.exists() else None
   assert not single["smoke"] and single["target"] == "h100"
   doc = (ROOT / "docs" / "benchmarks.md").read_text()
-  assert _target.docs_section(single, multi) in doc
+  assert deviceless.docs_section(single, multi) in doc
   for row in single["rows"]:
-    if row["config"] in _setups.MIXED:
+    if row["config"] in setups.MIXED:
       assert row["half_flops_share"] == 1.0, (row["model"], row["config"])
 
 
@@ -258,7 +257,7 @@ def test_scaling_plan_reads_every_form_of_replica_groups():
 @needs_plugin
 def test_scaling_plan_smoke_shards_the_state_and_gathers_float8_weights(tmp_path):
   """``scaling_plan.py --smoke``: a tiny Llama, FSDP over 8 GPUs under ``mixed_float8``."""
-  import _llama
+  from harness import llama
 
   out = tmp_path / "scaling_plan_smoke.json"
   proc = subprocess.run(
@@ -298,7 +297,7 @@ def test_scaling_plan_smoke_shards_the_state_and_gathers_float8_weights(tmp_path
       gathered[c["dtype"]] += c["bytes"]
   # The blocks' weights are gathered in float8 (one byte each), every layer's at least
   # once: the scan body's gathers count once per layer.
-  config = _llama.TINY
+  config = llama.TINY
   kv = config.num_kv_heads * config.head_dim
   block_weights = (
     config.num_layers * config.features * (2 * config.features + 2 * kv + 3 * config.mlp_hidden)

@@ -1,6 +1,6 @@
 """The train steps ``loss_scale_overhead.py`` compares, and the model they train.
 
-The step is a float16-compute GPT (``_gpt.GPT`` with float16 matmuls and a
+The step is a float16-compute GPT (``gpt.GPT`` with float16 matmuls and a
 float32 residual stream, norms and logits; an untied head) trained with
 ``optax.adamw``: once without loss scaling (the baseline), once with each
 library's dynamic loss scaling (jmp, Flax, mpx), and once with each
@@ -14,7 +14,6 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple, cast
 
-import _gpt
 import flax.training.dynamic_scale
 import jax
 import jax.numpy as jnp
@@ -24,6 +23,8 @@ import optax
 import mpx
 from mpx._src.scaling import finite_check
 
+from . import gpt
+
 PyTree = Any
 Batch = dict[str, jax.Array]
 StepFn = Callable[[PyTree, PyTree, Batch], tuple[PyTree, PyTree, jax.Array]]
@@ -32,7 +33,7 @@ INITIAL_SCALE = 2.0**15
 LEARNING_RATE = 1e-3
 WEIGHT_DECAY = 1e-4
 
-CONFIG = _gpt.GPTConfig(
+CONFIG = gpt.GPTConfig(
   vocab_size=512, max_len=128, num_layers=4, d_model=256, num_heads=4, batch_size=8, tied_head=False
 )
 """3,454,464 float32 params in 69 leaves: the model docs/benchmarks.md's figures are quoted on."""
@@ -46,22 +47,22 @@ TINY_CONFIG = dataclasses.replace(
 # ------------------------------------------------------------------ the model
 
 
-def _model(config: _gpt.GPTConfig) -> _gpt.GPT:
-  return _gpt.GPT(config, dtype=jnp.float16, residual_dtype=jnp.float32)
+def _model(config: gpt.GPTConfig) -> gpt.GPT:
+  return gpt.GPT(config, dtype=jnp.float16, residual_dtype=jnp.float32)
 
 
-def make_batch(config: _gpt.GPTConfig) -> Batch:
+def make_batch(config: gpt.GPTConfig) -> Batch:
   """A deterministic batch, with ``loss_mult`` 1 (the atomicity check poisons it)."""
-  batch = {k: jnp.asarray(v) for k, v in _gpt.make_batch(config).items()}
+  batch = {k: jnp.asarray(v) for k, v in gpt.make_batch(config).items()}
   return dict(batch, loss_mult=jnp.float32(1.0))
 
 
-def init_params(config: _gpt.GPTConfig, seed: int = 0) -> PyTree:
+def init_params(config: gpt.GPTConfig, seed: int = 0) -> PyTree:
   """Float32 parameters of the model."""
   return _model(config).init(jax.random.key(seed), make_batch(config)["x"])["params"]
 
 
-def make_loss_fn(config: _gpt.GPTConfig) -> Callable[[PyTree, Batch], jax.Array]:
+def make_loss_fn(config: gpt.GPTConfig) -> Callable[[PyTree, Batch], jax.Array]:
   """Mean next-token cross entropy, computed in float32."""
   model = _model(config)
 
@@ -325,7 +326,7 @@ def make_fused_adamw(
 # ------------------------------------------------------------ candidates
 
 
-def make_candidates(config: _gpt.GPTConfig) -> list[Candidate]:
+def make_candidates(config: gpt.GPTConfig) -> list[Candidate]:
   """Every formulation measured, baseline first."""
   loss_fn = loss_with_poison(make_loss_fn(config))
   tx = make_optimizer()

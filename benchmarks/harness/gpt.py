@@ -5,7 +5,7 @@ Flax's multi-head attention with a causal mask, a GELU MLP, learned
 positions) and with no precision argument set unless a benchmark passes one.
 Two benchmarks train it:
 
-* ``run.py`` (through ``_setups.py``): GPT-2 small, ``GPTConfig()`` (12 layers,
+* ``run.py`` (through ``setups.py``): GPT-2 small, ``GPTConfig()`` (12 layers,
   d_model 768, 12 heads, context 1024, vocabulary 50,257, the head tied to the
   token embedding: 124,439,808 params), in linen and NNX. Its "bfloat16 by
   hand" configuration passes ``dtype``; mpx's apply a policy to the model as

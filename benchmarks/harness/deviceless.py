@@ -25,12 +25,13 @@ import re
 import time
 from typing import Any
 
-import _setups
 import jax
 from jax.sharding import PartitionSpec
 
 import mpx
 from mpx._src.audit import device_peaks, targets
+
+from . import setups
 
 NOTE = (
   "no GPU was used: compiled for the target without autotuning (kernel choices are XLA's defaults)"
@@ -151,8 +152,8 @@ def row(model: str, config: str, target: str, *, smoke: bool) -> dict[str, Any]:
   """Compiles one configuration's train step for ``target`` and returns its row.
 
   Args:
-    model: a key of ``_setups.MODELS``.
-    config: a key of ``_setups.CONFIGS``.
+    model: a key of ``setups.MODELS``.
+    config: a key of ``setups.CONFIGS``.
     target: an ``mpx.audit`` target name (``"h100"``, ``"h100x8"``...).
     smoke: the tiny models.
 
@@ -163,9 +164,9 @@ def row(model: str, config: str, target: str, *, smoke: bool) -> dict[str, Any]:
   """
   start = time.perf_counter()
   target_ = targets.parse(target)
-  setup = _setups.build(model, config, smoke=smoke)
-  with _setups.precision_scope(setup):
-    carry, batch = _setups.abstract_carry(setup)
+  setup = setups.build(model, config, smoke=smoke)
+  with setups.precision_scope(setup):
+    carry, batch = setups.abstract_carry(setup)
     n = target_.num_devices
     kwargs: dict[str, Any] = {}
     if n > 1:  # data-parallel: the batch over every GPU, the carry replicated
@@ -305,7 +306,13 @@ PUBLISHED = (
 
 
 def _command(report: dict[str, Any]) -> str:
-  return f"JAX_PLATFORMS=cpu {report['command']}"
+  command = report["command"]
+  return command if command.startswith("JAX_PLATFORMS") else f"JAX_PLATFORMS=cpu {command}"
+
+
+def _jax_version(report: dict[str, Any]) -> str:
+  # Results written before harness.results (2026-11-28) name jax's version on its own.
+  return report["versions"]["jax"] if "versions" in report else report["jax_version"]
 
 
 def _loss_scaling_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -355,7 +362,7 @@ def docs_section(single: dict[str, Any], multi: dict[str, Any] | None) -> str:
     "traffic). On a real GPU the autotuner may choose other tilings, or cuBLAS instead of "
     "Triton, for a GEMM.",
     "",
-    f"Run {single['date']} with jax {single['jax_version']} on {single['machine']}:",
+    f"Run {single['date']} with jax {_jax_version(single)} on {single['machine']}:",
     "",
     "```",
     _command(single),

@@ -33,8 +33,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import _gpt
-import _resnet50
 import jax
 import jax.numpy as jnp
 import jmp
@@ -43,6 +41,8 @@ import optax
 from flax import nnx
 
 import mpx
+
+from . import gpt, resnet50
 
 PyTree = Any
 
@@ -127,11 +127,11 @@ Apply = Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]]
 
 
 def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = _gpt.GPTConfig.smoke() if smoke else _gpt.GPTConfig()
-  module: Any = _gpt.GPT(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
+  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
+  module: Any = gpt.GPT(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
-  batch = _gpt.make_batch(cfg)
+  batch = gpt.make_batch(cfg)
 
   def init():
     return module.init(jax.random.key(0), jnp.asarray(batch["x"][:1]))["params"], {}
@@ -143,11 +143,11 @@ def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
 
 
 def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = _gpt.GPTConfig.smoke() if smoke else _gpt.GPTConfig()
+  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
   dtype = jnp.bfloat16 if config == "bf16_flax" else None
 
   def build():
-    model = _gpt.NnxGPT(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    model = gpt.NnxGPT(cfg, dtype=dtype, rngs=nnx.Rngs(0))
     if config in _MPX_POLICIES:
       model = mpx.nnx.apply_policy(model, _MPX_POLICIES[config], rules=rules)
     return model
@@ -163,15 +163,15 @@ def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
     model = nnx.merge(graphdef, params, rest, copy=True)
     return model(x), nnx.state(model, nnx.Not(nnx.Param))
 
-  return init, apply, _gpt.make_batch(cfg)
+  return init, apply, gpt.make_batch(cfg)
 
 
 def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = _resnet50.ResNetConfig.smoke() if smoke else _resnet50.ResNetConfig()
-  module: Any = _resnet50.ResNet50(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
+  cfg = resnet50.ResNetConfig.smoke() if smoke else resnet50.ResNetConfig()
+  module: Any = resnet50.ResNet50(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
-  batch = _resnet50.make_batch(cfg)
+  batch = resnet50.make_batch(cfg)
 
   def init():
     variables = module.init(jax.random.key(0), jnp.asarray(batch["x"][:1]), train=False)

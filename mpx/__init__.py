@@ -5,7 +5,8 @@ Training* (ICLR 2018): float32 master weights, loss scaling, and
 half-precision arithmetic accumulated in float32.
 
 The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
-imported on first use: ``import mpx`` does not import Flax. The precision
+and the Equinox one :mod:`mpx.eqx`, imported on first use: ``import mpx``
+imports neither Flax nor Equinox. The precision
 diagnostics (histograms, range reports, plots) are :mod:`mpx.diagnostics` and
 the float8 building blocks :mod:`mpx.fp8` and the sharded-training helpers
 :mod:`mpx.parallel`, also imported on first use.
@@ -62,6 +63,7 @@ from mpx._src.scaling.transform import static_loss_scale as static_loss_scale
 
 if _typing.TYPE_CHECKING:
   from mpx import diagnostics as diagnostics
+  from mpx import eqx as eqx
   from mpx import fp8 as fp8
   from mpx import linen as linen
   from mpx import nnx as nnx
@@ -69,7 +71,7 @@ if _typing.TYPE_CHECKING:
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "nnx", "parallel")
+_LAZY_SUBMODULES = ("diagnostics", "eqx", "fp8", "linen", "nnx", "parallel")
 
 # Names that moved to a namespace after 0.1.0: old top-level name -> namespace. They
 # still resolve, with a DeprecationWarning, for one release.
@@ -132,6 +134,7 @@ __all__ = (
   "diagnostics",
   "dot_product_attention",
   "dynamic_loss_scale",
+  "eqx",
   "fp8",
   "get_loss_scale",
   "get_master_params",
@@ -157,7 +160,7 @@ __all__ = (
 
 def __getattr__(name: str) -> _typing.Any:
   # PEP 562: the submodules load on first access, so pure JAX and optax users
-  # of mpx never import Flax.
+  # of mpx never import Flax or Equinox.
   if name in _LAZY_SUBMODULES:
     return _importlib.import_module(f"mpx.{name}")
   if name in _MOVED:

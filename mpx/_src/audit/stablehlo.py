@@ -131,8 +131,10 @@ def module_path(name: str, location: str) -> tuple[str, bool]:
       wrappers.append(match.group(1))
       seg = match.group(2)
     transforms.update(wrappers)
-    if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg:
-      continue  # A function name or an einsum spec, not a module.
+    if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg or "." in seg:
+      # A function name, an einsum spec, or a library's own scope (Equinox scopes each
+      # layer's call `eqx.nn.<class>`; mpx.eqx scopes it by its path), not a module.
+      continue
     if seg and seg not in _INTERNAL_SCOPES:
       # A rematerialised body replays the name stack it was traced under inside
       # its transpose: 'transpose(jvp(Model))/jvp(Model)/checkpoint/...'. The

@@ -110,13 +110,34 @@ class Recorder:
     Returns:
       ``fn(*args, **kwargs)``, with the floating leaves tapped.
     """
+    key = self.enter(key)
+    args, kwargs = self.tap(key, "input", (args, kwargs))
+    return self.tap(key, "output", fn(*args, **kwargs))
+
+  def enter(self, key: str) -> str:
+    """Numbers one call of a module: ``key`` for the first, ``key#1``, ``key#2``... after it.
+
+    Args:
+      key: the module key (:func:`module_key`).
+
+    Returns:
+      The key of this call, for :meth:`tap`.
+    """
     count = self._calls[key]
     self._calls[key] += 1
-    key = key if count == 0 else f"{key}#{count}"
-    args, kwargs = self._tap(key, "input", (args, kwargs))
-    return self._tap(key, "output", fn(*args, **kwargs))
+    return key if count == 0 else f"{key}#{count}"
 
-  def _tap(self, key: str, kind: str, value: Any) -> Any:
+  def tap(self, key: str, kind: str, value: Any) -> Any:
+    """Taps the floating leaves of a call's inputs or output (:meth:`call` does both).
+
+    Args:
+      key: the call's key, from :meth:`enter`.
+      kind: ``"input"`` or ``"output"``.
+      value: the value.
+
+    Returns:
+      ``value`` with ``-0.0`` added to its floating leaves.
+    """
     name = f"{kind}:{key}"
     self.events.append((key, kind))
     leaves, treedef = jax.tree.flatten(value, is_leaf=tree_lib.is_nnx_object)

@@ -11,6 +11,7 @@ dicts, ``MultiSteps``, ``inject_hyperparams``, ``masked``...).
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -212,6 +213,59 @@ def _has_nnx_object(tree: Any) -> bool:
   return any(tree_lib.is_nnx_object(x) for x in leaves)
 
 
+def _is_eqx_module(x: Any) -> bool:
+  # Equinox is not imported here: if it has not been imported, no Equinox module exists.
+  eqx = sys.modules.get("equinox")
+  return eqx is not None and isinstance(x, eqx.Module)
+
+
+def _filter_grad(fun: Callable[..., Any], argnums: int | Sequence[int]) -> Callable[..., Any]:
+  """``jax.grad(fun, argnums, has_aux=True)`` over the floating arrays of those arguments only.
+
+  What ``eqx.filter_grad`` does for Equinox models, whose other leaves
+  (integer arrays, functions, keys) cannot be differentiated: the gradients
+  have the structure of the arguments, ``None`` at every other leaf. Every
+  ``eqx.nn.State`` argument reaches ``fun`` as a copy (a ``State`` is spent
+  once it has been used), so the caller's can still be selected after a
+  skipped step (:func:`mpx.eqx.select_state`).
+  """
+  nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+
+  def grad_fn(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
+    args, kwargs = jax.tree.map(lambda x: x, (args, kwargs))  # Fresh containers and States.
+    trees = [jax.tree.flatten(args[i]) for i in nums]
+    diff = [[x if tree_lib.is_floating_array(x) else None for x in leaves] for leaves, _ in trees]
+
+    def inner(diff: list[list[Any]]) -> Any:
+      full = list(args)
+      for i, (leaves, treedef), values in zip(nums, trees, diff, strict=True):
+        merged = [x if v is None else v for x, v in zip(leaves, values, strict=True)]
+        full[i] = jax.tree.unflatten(treedef, merged)
+      return fun(*full, **kwargs)
+
+    grads, aux = jax.grad(inner, has_aux=True)(diff)
+    grads = [jax.tree.unflatten(t, g) for (_, t), g in zip(trees, grads, strict=True)]
+    return (grads[0] if isinstance(argnums, int) else tuple(grads)), aux
+
+  return grad_fn
+
+
+def _grad_transform(
+  fun: Callable[..., Any], argnums: Any, args: tuple, kwargs: dict
+) -> Callable[..., Any]:
+  """The ``grad(fun, argnums, has_aux=True)`` that fits the arguments' framework."""
+  if _has_nnx_object((args, kwargs)):
+    # jax.grad would differentiate copies of the NNX objects, and their state
+    # updates would be lost. Only NNX users get here: `import mpx` needs no Flax.
+    from flax import nnx
+
+    return nnx.grad(fun, argnums=argnums, has_aux=True)
+  nums = (argnums,) if isinstance(argnums, int) else argnums
+  if any(_is_eqx_module(x) for i in nums for x in jax.tree.leaves(args[i], is_leaf=_is_eqx_module)):
+    return _filter_grad(fun, argnums)
+  return jax.grad(fun, argnums=argnums, has_aux=True)
+
+
 def value_and_grad(
   fun: Callable[..., Any],
   opt_state_or_scale: Any,
@@ -230,7 +284,10 @@ def value_and_grad(
   differentiated with ``flax.nnx.grad``, like ``nnx.value_and_grad`` does:
   the gradients are an ``nnx.State`` of the ``nnx.Param`` variables, and every
   variable ``fun`` writes (BatchNorm statistics, ``nnx.Rngs`` counts, counters)
-  is updated in the caller's objects.
+  is updated in the caller's objects. Differentiated arguments holding an
+  Equinox module are differentiated with respect to their floating arrays,
+  as ``eqx.filter_value_and_grad`` does: the gradients have the arguments'
+  structure, ``None`` at every other leaf.
 
   Args:
     fun: returns a floating scalar loss, or ``(loss, aux)`` with ``has_aux``.
@@ -269,14 +326,7 @@ def value_and_grad(
     return loss.astype(jnp.float32) * loss_scale, (loss, aux)
 
   def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any]:
-    if _has_nnx_object((args, kwargs)):
-      # jax.grad would differentiate copies of the NNX objects, and their state
-      # updates would be lost. Only NNX users get here: `import mpx` needs no Flax.
-      from flax import nnx
-
-      grad_fn = nnx.grad(scaled, argnums=argnums, has_aux=True)
-    else:
-      grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True)
+    grad_fn = _grad_transform(scaled, argnums, args, kwargs)
     grads, (loss, aux) = grad_fn(*args, **kwargs)
     return ((loss, aux) if has_aux else loss), grads
 

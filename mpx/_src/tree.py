@@ -13,6 +13,11 @@ from mpx._src import dtypes, errors
 PyTree = Any
 
 
+#: The fields of mpx's own wrapper modules (``mpx.eqx.PolicyLayer``, the Equinox taps of
+#: the diagnostics): not part of the paths the user wrote, so paths leave them out.
+WRAPPER_FIELDS = frozenset({"mpx_layer", "mpx_tapped"})
+
+
 def path_str(path: jax.tree_util.KeyPath) -> str:
   """Formats a key path the way mpx error messages show it.
 
@@ -21,8 +26,11 @@ def path_str(path: jax.tree_util.KeyPath) -> str:
 
   Returns:
     The path joined with ``/``, e.g. ``params/Dense_0/kernel``; ``<root>`` for
-    the empty path of a bare leaf.
+    the empty path of a bare leaf. The fields of mpx's wrappers
+    (:data:`WRAPPER_FIELDS`) are left out: ``blocks/0/mlp/weight``, not
+    ``mpx_layer/blocks/0/mlp/mpx_layer/weight``.
   """
+  path = tuple(key for key in path if getattr(key, "name", None) not in WRAPPER_FIELDS)
   return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 

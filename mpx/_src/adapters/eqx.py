@@ -44,7 +44,6 @@ DEFAULT_KEEP_CLASSES: tuple[type, ...] = (
   eqx.nn.GroupNorm,
 )
 _LEAN_NORM_KINDS: dict[type, str] = {eqx.nn.LayerNorm: "layer", eqx.nn.RMSNorm: "rms"}
-_LAYER_FIELD = "mpx_layer"
 # What a wrapper's casts never touch: the model's state, other wrappers' layers, histories.
 OPAQUE: tuple[type, ...] = (eqx.nn.State, eqx.nn.StateIndex, eqx_fp8.Fp8History)
 
@@ -78,7 +77,7 @@ def path_parts(key_path: Any) -> tuple[Any, ...]:
   parts = []
   for key in key_path:
     part = getattr(key, "name", getattr(key, "idx", getattr(key, "key", key)))
-    if part != _LAYER_FIELD:
+    if part not in tree_lib.WRAPPER_FIELDS:
       parts.append(part)
   return tuple(parts)
 

@@ -128,9 +128,7 @@ def vit_loss(model: ViT, batch: dict) -> jax.Array:
   return xent(jax.vmap(model)(batch["x"]), batch["y"])
 
 
-def resnet_loss(
-  model: ResNet, state: eqx.nn.State, batch: dict
-) -> tuple[jax.Array, eqx.nn.State]:
+def resnet_loss(model: ResNet, state: eqx.nn.State, batch: dict) -> tuple[jax.Array, eqx.nn.State]:
   """The loss of a batch, and the new batch-norm state (batch statistics over ``"batch"``)."""
   images = jnp.moveaxis(batch["x"], -1, 1)  # NHWC -> per-image CHW
   forward = jax.vmap(model, axis_name="batch", in_axes=(0, None), out_axes=(0, None))

@@ -94,7 +94,12 @@ def _stored(model):
 def test_params_compute_and_output_follow_the_policy_and_norms_stay_float32(policy, param, compute):
   model = _model(policy)
   norms = [b.norm for b in model.blocks]
-  others = [model.embed, model.head, *(b.mlp for b in model.blocks), *(b.scale for b in model.blocks)]
+  others = [
+    model.embed,
+    model.head,
+    *(b.mlp for b in model.blocks),
+    *(b.scale for b in model.blocks),
+  ]
   assert _stored(others) == {param}
   assert _stored(norms) == {F32}
   assert model.steps.dtype == jnp.int32
@@ -135,7 +140,7 @@ def test_a_path_rule_that_matches_nothing_warns_with_the_model_paths():
 
 
 def test_errors_name_the_problem():
-  with pytest.raises(mpx.PolicyError, match="needs an equinox.Module"):
+  with pytest.raises(mpx.PolicyError, match=r"needs an equinox\.Module"):
     mpx.eqx.apply_policy({"w": jnp.ones(2)}, "mixed_bfloat16")
   model = _model()
   assert mpx.eqx.apply_policy(model, "mixed_bfloat16") is model
@@ -143,7 +148,9 @@ def test_errors_name_the_problem():
     mpx.eqx.apply_policy(model, "mixed_float16")
   with pytest.raises(mpx.PolicyError, match="blocks/0/norm already runs under"):
     inner = mpx.eqx.apply_policy(eqx.nn.LayerNorm(16), "float32")
-    mpx.eqx.apply_policy(eqx.tree_at(lambda m: m.blocks[0].norm, Model(jax.random.key(0)), inner), "float32")
+    mpx.eqx.apply_policy(
+      eqx.tree_at(lambda m: m.blocks[0].norm, Model(jax.random.key(0)), inner), "float32"
+    )
 
 
 def test_the_result_is_an_ordinary_equinox_module(tmp_path):
@@ -157,7 +164,11 @@ def test_the_result_is_an_ordinary_equinox_module(tmp_path):
   # The leaves are the model's own, in its order: a float32 checkpoint loads into it.
   eqx.tree_serialise_leaves(tmp_path / "model.eqx", model)
   loaded = eqx.tree_deserialise_leaves(tmp_path / "model.eqx", zeroed)
-  chex_equal = jax.tree.map(lambda a, b: bool((a == b).all()), eqx.filter(loaded, eqx.is_array), eqx.filter(policied, eqx.is_array))
+  chex_equal = jax.tree.map(
+    lambda a, b: bool((a == b).all()),
+    eqx.filter(loaded, eqx.is_array),
+    eqx.filter(policied, eqx.is_array),
+  )
   assert all(jax.tree.leaves(chex_equal))
   # filter_jit over an ensemble of models made by filter_vmap, and filter_vmap over it.
   models = eqx.filter_vmap(Model)(jax.random.split(jax.random.key(1), 3))
@@ -201,7 +212,9 @@ def test_batchnorm_keeps_its_state_float32_inside_sequential():
 
 def test_lean_layer_norm_matches_equinox_and_saves_the_half_input():
   norm = eqx.nn.LayerNorm(16)
-  norm = eqx.tree_at(lambda n: (n.weight, n.bias), norm, (jnp.linspace(0.5, 2, 16), jnp.linspace(-1, 1, 16)))
+  norm = eqx.tree_at(
+    lambda n: (n.weight, n.bias), norm, (jnp.linspace(0.5, 2, 16), jnp.linspace(-1, 1, 16))
+  )
   x = jax.random.normal(jax.random.key(0), (4, 16)).astype(BF16) * 3
   parent = eqx.nn.Sequential([eqx.nn.Identity(), norm])
   lean = mpx.eqx.apply_policy(parent, "bfloat16").layers[1]
@@ -214,7 +227,9 @@ def test_lean_layer_norm_matches_equinox_and_saves_the_half_input():
   assert got.dtype == BF16
   np.testing.assert_allclose(got.astype(F32), reference.astype(F32), rtol=1e-2, atol=1e-2)
   grad = jax.grad(loss, argnums=1)(lean, x)
-  expected = jax.grad(lambda x: jnp.sum(jax.vmap(norm)(x.astype(F32)).astype(BF16).astype(F32) ** 2))(x)
+  expected = jax.grad(
+    lambda x: jnp.sum(jax.vmap(norm)(x.astype(F32)).astype(BF16).astype(F32) ** 2)
+  )(x)
   np.testing.assert_allclose(grad.astype(F32), expected.astype(F32), rtol=3e-2, atol=3e-2)
   # The backward pass keeps the bfloat16 input, not a float32 copy of it.
   _, residuals = jax.linearize(lambda x: jax.vmap(lean)(x), x)
@@ -287,7 +302,11 @@ def test_import_mpx_imports_neither_equinox_nor_flax_and_mpx_eqx_no_flax():
     print(sorted({m.split(".")[0] for m in sys.modules} & {"flax", "matplotlib"}))
   """)
   result = subprocess.run(
-    [sys.executable, "-W", "error", "-c", script], capture_output=True, text=True, timeout=120, check=False
+    [sys.executable, "-W", "error", "-c", script],
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
   )
   assert result.returncode == 0, result.stderr
   assert result.stdout.split() == ["[]"]

@@ -43,7 +43,8 @@ def _eqns(jaxpr, names):
 def _float8_operands(fn, *args, names=("dot_general", "scaled_dot")):
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
   return [
-    all(jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars[:2]) for eqn in _eqns(jaxpr, names)
+    all(jnp.dtype(v.aval.dtype).itemsize == 1 for v in eqn.invars[:2])
+    for eqn in _eqns(jaxpr, names)
   ]
 
 
@@ -60,7 +61,10 @@ def test_linear_computes_one_float8_product_over_the_whole_batch_under_nested_vm
     y = mpx.fp8.fp8_dot_general(xs.reshape(15, 16), w, (((1,), (1,)), ((), ()))) + b
     return jnp.sum(y.astype(jnp.float32).reshape(3, 5, 32) ** 2)
 
-  got, want = jax.jit(jax.value_and_grad(loss))(policied, x), jax.jit(jax.value_and_grad(reference))(linear, x)
+  got, want = (
+    jax.jit(jax.value_and_grad(loss))(policied, x),
+    jax.jit(jax.value_and_grad(reference))(linear, x),
+  )
   np.testing.assert_array_equal(got[0], want[0])
   np.testing.assert_array_equal(got[1].weight, want[1].weight)
   np.testing.assert_array_equal(got[1].bias, want[1].bias)
@@ -114,8 +118,12 @@ def test_every_float8_preset_gives_linear_float8_products_forward_and_backward(p
 
 
 def test_accumulate_in_float32_requests_float32_products_of_half_operands():
-  model = mpx.eqx.apply_policy(_Net(jax.random.key(0)), "mixed_bfloat16", accumulate_in_float32=True)
-  jaxpr = jax.make_jaxpr(jax.grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)))(model, jnp.ones((2, 16, 4, 4)))
+  model = mpx.eqx.apply_policy(
+    _Net(jax.random.key(0)), "mixed_bfloat16", accumulate_in_float32=True
+  )
+  jaxpr = jax.make_jaxpr(jax.grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)))(
+    model, jnp.ones((2, 16, 4, 4))
+  )
   products = _eqns(jaxpr.jaxpr, ("dot_general", "conv_general_dilated"))
   assert len(products) == 6
   for eqn in products:
@@ -149,7 +157,9 @@ def test_delayed_histories_are_per_stacked_layer_and_follow_the_optimizer_step()
     grads, observed = mpx.eqx.partition_fp8(grads)
     params, _ = mpx.eqx.partition_fp8(eqx.filter(model, eqx.is_inexact_array))
     updates, opt_state = tx.update(grads, opt_state, params)
-    model = mpx.eqx.update_fp8_state(eqx.apply_updates(model, updates), observed, opt_state=opt_state)
+    model = mpx.eqx.update_fp8_state(
+      eqx.apply_updates(model, updates), observed, opt_state=opt_state
+    )
     return model, opt_state
 
   x = jnp.full((4, 8), 2.0)
@@ -171,7 +181,9 @@ def test_a_layer_called_twice_records_the_larger_amax_of_its_calls():
     def __call__(self, x):
       return self.linear(x) + self.linear(4 * x)
 
-  model = mpx.eqx.apply_policy(Twice(eqx.nn.Linear(8, 8, key=jax.random.key(0))), "mixed_float8_delayed")
+  model = mpx.eqx.apply_policy(
+    Twice(eqx.nn.Linear(8, 8, key=jax.random.key(0))), "mixed_float8_delayed"
+  )
   grads = jax.jit(jax.grad(lambda m: jnp.sum(jax.vmap(m)(jnp.ones((2, 8))))))(model)
   assert float(grads.linear.mpx_history.rhs[0]) == 4.0  # max(1, 4), not the sum 5
 

@@ -62,7 +62,10 @@ class EqxModule1(eqx.Module):
 
 TREE = {
   "a": jnp.array([1.0, 2.0, 3.0], jnp.float32),
-  "b": {"c": jnp.array([1.0, 2.0, 3.0], jnp.float16), "d": jnp.array([1.0, 2.0, 3.0], jnp.bfloat16)},
+  "b": {
+    "c": jnp.array([1.0, 2.0, 3.0], jnp.float16),
+    "d": jnp.array([1.0, 2.0, 3.0], jnp.bfloat16),
+  },
 }
 
 
@@ -84,7 +87,12 @@ def test_cast_tree():
 @pytest.mark.parametrize(
   ("name", "dtype"),
   [("float32", F32), ("float16", F16), ("bfloat16", BF16), ("full", F32)],
-  ids=["test_cast_to_float32", "test_cast_to_float16", "test_cast_to_bfloat16", "test_cast_to_full_precision"],
+  ids=[
+    "test_cast_to_float32",
+    "test_cast_to_float16",
+    "test_cast_to_bfloat16",
+    "test_cast_to_full_precision",
+  ],
 )
 def test_cast_to_dtype(name, dtype):
   assert mpx.cast_tree(TREE["b"]["c"] if dtype == F32 else TREE["a"], name).dtype == dtype
@@ -142,7 +150,12 @@ def test_empty_structures():
 
 def test_non_float_arrays():
   ints, bools = jnp.array([1, 2, 3], jnp.int32), jnp.array([True, False])
-  tree = {"f32": TREE["a"], "int32": ints, "bool": bools, "nested": {"f16": TREE["b"]["c"], "int32": ints}}
+  tree = {
+    "f32": TREE["a"],
+    "int32": ints,
+    "bool": bools,
+    "nested": {"f16": TREE["b"]["c"], "int32": ints},
+  }
   result = _dtypes(mpx.cast_tree(tree, "float32"))
   assert result == {
     "f32": F32,
@@ -287,7 +300,9 @@ def test_calculate_scaled_grad():
 
 def _update(model, tx, opt_state, loss, **kwargs):
   (value, *aux), grads = mpx.value_and_grad(
-    lambda *a: (loss(*a), None) if loss is not loss_fn_with_aux else loss(*a), opt_state, has_aux=True
+    lambda *a: (loss(*a), None) if loss is not loss_fn_with_aux else loss(*a),
+    opt_state,
+    has_aux=True,
   )(model, X, Y)
   updates, new_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
   finite = not bool(mpx.loss_scale_metrics(new_state)["last_step_skipped"])

@@ -64,10 +64,18 @@ def test_every_module_is_recorded_over_the_whole_batch_in_forward_order():
   sizes = {key: int(h.counts.sum() + h.zeros) for key, h in stats.outputs.items()}
   assert sizes == {key: 5 * (2 if key in ("head", "<root>") else 8) for key in stats.modules}
   assert np.dtype(stats.outputs["blocks/0/linear"].counts.dtype) == np.dtype("int32")
-  assert int(stats.output_grads["blocks/0/linear"].zeros + stats.output_grads["blocks/0/linear"].counts.sum()) == 40
+  assert (
+    int(
+      stats.output_grads["blocks/0/linear"].zeros
+      + stats.output_grads["blocks/0/linear"].counts.sum()
+    )
+    == 40
+  )
   # Parameter gradients in the structure of the model's inexact arrays.
   params = eqx.filter(model, eqx.is_inexact_array)
-  assert jax.tree.structure(stats.param_grads, is_leaf=lambda x: hasattr(x, "counts")) == jax.tree.structure(params)
+  assert jax.tree.structure(
+    stats.param_grads, is_leaf=lambda x: hasattr(x, "counts")
+  ) == jax.tree.structure(params)
 
 
 def test_the_locator_names_the_equinox_path_of_an_overflow():
@@ -88,7 +96,6 @@ def test_gradient_paths_and_range_reports_name_equinox_paths():
   params = eqx.filter(model, eqx.is_inexact_array)
   tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
   opt_state = tx.init(params)
-
 
   @eqx.filter_jit
   def step(model, opt_state):

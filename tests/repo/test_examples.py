@@ -59,6 +59,7 @@ RUNS = {
   ),
   "from_jmp": ("from_jmp.py", ["--steps", "12", "--period", "4", "--log-every", "4"]),
   "multiprocess": ("multiprocess.py", ["--smoke"]),
+  "equinox_vit": ("equinox_vit.py", ["--steps", "6", "--log-every", "3"]),
   "from_flax_dynamic_scale": (
     "from_flax_dynamic_scale.py",
     ["--steps", "12", "--growth-interval", "3", "--log-every", "4"],
@@ -77,6 +78,7 @@ NEEDS = {
     f"{p['script']}-mixed_float16",
   ],
   "test_nnx_transformer": lambda p: ["nnx_transformer"],
+  "test_equinox_vit": lambda p: ["equinox_vit"],
   "test_optax_pipeline_resumes_bitwise": lambda p: ["optax_pipeline"],
   "test_from_jmp": lambda p: ["from_jmp"],
   "test_from_flax_dynamic_scale": lambda p: ["from_flax_dynamic_scale"],
@@ -233,6 +235,12 @@ def _skipped_steps(output: str) -> int:
 def test_nnx_transformer(runner):
   output = runner.output("nnx_transformer")
   assert "100.0% of their FLOPs with half-precision operands, 0 with float32" in output
+
+
+def test_equinox_vit(runner):
+  output = runner.output("equinox_vit")
+  assert "audit: 100.0% of matmul FLOPs in half precision" in output
+  assert "'blocks/attention/query_proj'" in output and "'head'" in output
 
 
 def test_optax_pipeline_resumes_bitwise(runner):

@@ -302,7 +302,8 @@ class _Builder:
       return rebuilt
     delayed = bool(replaced) and policy.fp8 is not None and policy.fp8.delayed
     lean = self.layers.lean_norm(module)
-    return PolicyLayer(
+    # pyright reads StatefulLayer's abstract `__call__` annotation as a dataclass field.
+    return PolicyLayer(  # pyright: ignore[reportCallIssue]
       mpx_layer=rebuilt,
       mpx_history=eqx_fp8.new_history(policy.fp8, rebuilt) if delayed else None,  # pyright: ignore[reportArgumentType]
       mpx_policy=str(policy),

@@ -38,6 +38,7 @@ from jax.custom_batching import custom_vmap
 #: primitive's own parameters.
 Replacement = Callable[..., jax.Array]
 
+
 def _replaced(
   fn: Callable[..., list[Any]], replacements: dict[str, Replacement], n_context: int
 ) -> Callable[..., list[Any]]:

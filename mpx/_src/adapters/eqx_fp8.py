@@ -224,4 +224,3 @@ def update_fp8_state(
   _, histories = partition_fp8(model)
   new = fp8_history.update_fp8_state(histories, observed, commit=commit, opt_state=opt_state)
   return eqx.combine(new, model)
-

@@ -128,7 +128,8 @@ def _tapped(module: Any, path: tuple[Any, ...] = ()) -> Any:
   rebuilt = jax.tree.unflatten(treedef, new_leaves)
   if not callable(rebuilt):
     return rebuilt
-  return _Tapped(rebuilt, activations.module_key(layer_policy.join_path(path)))
+  key = activations.module_key(layer_policy.join_path(path))
+  return _Tapped(mpx_tapped=rebuilt, mpx_key=key)  # pyright: ignore[reportCallIssue]
 
 
 def _tapped_children(module: Any, path: tuple[Any, ...]) -> Any:

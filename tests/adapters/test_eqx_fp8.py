@@ -20,10 +20,10 @@ from mpx._src.audit import targets
 BF16 = np.dtype(jnp.bfloat16)
 PRESETS = (
   "mixed_float8",
-  "mixed_float8_delayed",
-  "mixed_float8_rowwise",
+  pytest.param("mixed_float8_delayed", marks=pytest.mark.slow),
+  pytest.param("mixed_float8_rowwise", marks=pytest.mark.slow),
   "mixed_mxfp8",
-  "mixed_float8_blockwise",
+  pytest.param("mixed_float8_blockwise", marks=pytest.mark.slow),
 )
 
 
@@ -76,6 +76,7 @@ def test_linear_computes_one_float8_product_over_the_whole_batch_under_nested_vm
   assert sorted(shapes) == [(16, 3, 5), (32, 3, 5), (32, 16)]
 
 
+@pytest.mark.slow
 def test_conv_computes_one_float8_convolution_over_the_batch():
   conv = eqx.nn.Conv2d(16, 16, 3, padding=1, key=jax.random.key(0))
   policied = mpx.eqx.apply_policy(conv, "mixed_float8")
@@ -174,6 +175,7 @@ def test_delayed_histories_are_per_stacked_layer_and_follow_the_optimizer_step()
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow
 def test_a_layer_called_twice_records_the_larger_amax_of_its_calls():
   class Twice(eqx.Module):
     linear: eqx.nn.Linear

@@ -274,9 +274,9 @@ def test_select_tree():
   tree_a = {"a": jnp.array([1.0, 2.0]), "b": jnp.array([3.0, 4.0])}
   tree_b = {"a": jnp.array([5.0, 6.0]), "b": jnp.array([7.0, 8.0])}
   tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
-  state = tx.init(tree_a)
-  _, finite = tx.update(tree_a, state, tree_a)
-  _, skipped = tx.update({"a": jnp.array([jnp.inf, 0.0]), "b": tree_a["b"]}, state, tree_a)
+  state, update = tx.init(tree_a), jax.jit(tx.update)
+  _, finite = update(tree_a, state, tree_a)
+  _, skipped = update({"a": jnp.array([jnp.inf, 0.0]), "b": tree_a["b"]}, state, tree_a)
   for state, want in ((finite, tree_a), (skipped, tree_b)):
     got = mpx.eqx.select_state(tree_a, tree_b, state)
     jax.tree.map(np.testing.assert_array_equal, got, want)

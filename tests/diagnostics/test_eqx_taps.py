@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 import mpx
 
@@ -29,10 +30,10 @@ class Net(eqx.Module):
   blocks: list
   head: eqx.nn.Linear
 
-  def __init__(self, key):
-    keys = jax.random.split(key, 3)
-    self.blocks = [Block(keys[0]), Block(keys[1])]
-    self.head = eqx.nn.Linear(8, 2, key=keys[2])
+  def __init__(self, key, depth=2):
+    keys = jax.random.split(key, depth + 1)
+    self.blocks = [Block(k) for k in keys[:-1]]
+    self.head = eqx.nn.Linear(8, 2, key=keys[-1])
 
   def __call__(self, x):
     for block in self.blocks:
@@ -47,45 +48,33 @@ def _loss(model, x):
 X = jax.random.normal(jax.random.key(1), (5, 8))
 
 
-def test_every_module_is_recorded_over_the_whole_batch_in_forward_order():
-  model = mpx.eqx.apply_policy(Net(jax.random.key(0)), "mixed_bfloat16")
-  stats = mpx.eqx.collect_activations(_loss, model, X)
-  assert stats.modules == (
-    "blocks/0/linear",
-    "blocks/0/norm",
-    "blocks/0",
-    "blocks/1/linear",
-    "blocks/1/norm",
-    "blocks/1",
-    "head",
-    "<root>",
-  )
-  # Every value is the batch's (5 examples), counted in its histogram, gradients too.
-  sizes = {key: int(h.counts.sum() + h.zeros) for key, h in stats.outputs.items()}
-  assert sizes == {key: 5 * (2 if key in ("head", "<root>") else 8) for key in stats.modules}
-  assert np.dtype(stats.outputs["blocks/0/linear"].counts.dtype) == np.dtype("int32")
-  assert (
-    int(
-      stats.output_grads["blocks/0/linear"].zeros
-      + stats.output_grads["blocks/0/linear"].counts.sum()
-    )
-    == 40
-  )
-  # Parameter gradients in the structure of the model's inexact arrays.
-  params = eqx.filter(model, eqx.is_inexact_array)
-  assert jax.tree.structure(
-    stats.param_grads, is_leaf=lambda x: hasattr(x, "counts")
-  ) == jax.tree.structure(params)
-
-
-def test_the_locator_names_the_equinox_path_of_an_overflow():
-  model = mpx.eqx.apply_policy(Net(jax.random.key(0)), "mixed_float16")
+def test_the_locator_names_the_equinox_path_of_an_overflow_from_whole_batch_statistics():
+  model = mpx.eqx.apply_policy(Net(jax.random.key(0), depth=1), "mixed_float16")
   # The first layer computes 3e4 * sum(|x|) in float16: its output overflows.
   big = eqx.tree_at(lambda m: m.blocks[0].linear.weight, model, jnp.full((8, 8), 3e4))
   report = mpx.eqx.locate_nonfinite(_loss, big, jnp.abs(X))
   assert report.forward == ("blocks/0/linear", "output")
   assert report.cause == "genuine"
-  # A finite forward pass whose gradients overflow only at a large loss scale.
+  stats = report.stats  # every module, in forward order, keyed by path
+  assert stats.modules == ("blocks/0/linear", "blocks/0/norm", "blocks/0", "head", "<root>")
+
+  # Every value is the batch's (5 examples) in its histogram, NaNs and infinities included.
+  def size(h):
+    return int(h.counts.sum() + h.zeros + h.infs + h.nans)
+
+  sizes = {key: size(h) for key, h in stats.outputs.items()}
+  assert sizes == {key: 5 * (2 if key in ("head", "<root>") else 8) for key in stats.modules}
+  assert size(stats.output_grads["blocks/0/linear"]) == 40
+  assert int(stats.outputs["blocks/0/linear"].infs) == 40
+  # Parameter gradients in the structure of the model's inexact arrays.
+  params = eqx.filter(model, eqx.is_inexact_array)
+  is_histogram = lambda x: hasattr(x, "counts")  # noqa: E731
+  assert jax.tree.structure(stats.param_grads, is_leaf=is_histogram) == jax.tree.structure(params)
+
+
+@pytest.mark.slow
+def test_the_locator_tells_a_backward_overflow_that_a_smaller_scale_absorbs():
+  model = mpx.eqx.apply_policy(Net(jax.random.key(0)), "mixed_float16")
   report = mpx.eqx.locate_nonfinite(_loss, model, X, loss_scale=2.0**40)
   assert report.forward is None and report.cause == "overflow"
   assert report.backward is not None and report.finite_scale < 2.0**40

@@ -51,12 +51,12 @@ def _batches(steps: int, seed: int = 0) -> list[dict[str, np.ndarray]]:
   return [{"x": images[i], "y": labels[i]} for i in index]
 
 
-def _setup(kind: str, policy: str, lr: float = 3e-3):
-  """``(model, state, tx, step)``: a jitted step ``(model, state, opt_state, batch)``."""
+def _setup(kind: str, policy: str, lr: float = 3e-3, **sizes: int):
+  """``(model, state, tx, step)``: a step ``(model, state, opt_state, batch)``."""
   if kind == "vit":
-    model, state = eqx_models.ViT(key=jax.random.key(0)), None
+    model, state = eqx_models.ViT(key=jax.random.key(0), **sizes), None
   else:
-    model, state = eqx.nn.make_with_state(eqx_models.ResNet)(key=jax.random.key(0))
+    model, state = eqx.nn.make_with_state(eqx_models.ResNet)(key=jax.random.key(0), **sizes)
   model = mpx.eqx.apply_policy(model, policy)
   tx = mpx.mixed_precision(optax.adamw(lr), policy)
   return model, state, tx, _step(tx)
@@ -93,8 +93,8 @@ def _primitive_input_dtypes(jaxpr, name):
 
 
 AUDITS = [
-  ("vit", "mixed_bfloat16"),
   ("resnet", "mixed_float16"),
+  pytest.param("vit", "mixed_bfloat16", marks=pytest.mark.slow),
   pytest.param("vit", "mixed_float16", marks=pytest.mark.slow),
   pytest.param("resnet", "mixed_bfloat16", marks=pytest.mark.slow),
   pytest.param("vit", "mixed_float8", marks=pytest.mark.slow),
@@ -104,7 +104,7 @@ AUDITS = [
 
 @pytest.mark.parametrize(("kind", "policy"), AUDITS)
 def test_train_step_runs_every_product_in_half_precision_and_norms_in_float32(kind, policy):
-  model, state, tx, step = _setup(kind, policy)
+  model, state, tx, step = _setup(kind, policy, depth=1)
   params = eqx.filter(model, eqx.is_inexact_array)
   opt_state = tx.init(params)
   batch = _batches(1)[0]
@@ -129,19 +129,18 @@ def test_train_step_runs_every_product_in_half_precision_and_norms_in_float32(ki
     # float8 operands, which XLA:GPU makes a cuDNN float8 convolution, and float8 weight
     # gradients); the one-channel stem, which float8 does not cover, in bfloat16.
     wide = {op.module_path for op in report.float32_ops}
-    assert wide == {f"blocks/{i}/conv{j}" for i in (0, 1) for j in (1, 2)}, str(report)
+    assert wide == {"blocks/0/conv1", "blocks/0/conv2"}, str(report)
     assert {op.module_path for op in report.ops if op.lhs_dtype == compute} == {"stem"}
     assert {op.module_path for op in report.ops if op.is_fp8} >= {*wide, "head"}
   # Norm statistics in float32: every rsqrt (LayerNorm) and sqrt (Equinox's BatchNorm) of the
   # step takes float32 inputs.
-  jaxpr = jax.make_jaxpr(flat_step)(dynamic, batch).jaxpr
-  roots = _primitive_input_dtypes(jaxpr, "rsqrt" if kind == "vit" else "sqrt")
+  closed = jax.make_jaxpr(flat_step)(dynamic, batch)
+  roots = _primitive_input_dtypes(closed.jaxpr, "rsqrt" if kind == "vit" else "sqrt")
   assert roots and set(roots) == {np.dtype("float32")}
   # Params, the BatchNorm statistics and the loss are float32.
   floats = [x for x in jax.tree.leaves((params, state)) if jnp.issubdtype(x.dtype, jnp.floating)]
   assert {np.dtype(x.dtype) for x in floats} == {np.dtype("float32")}
-  _, loss = jax.eval_shape(flat_step, dynamic, batch)
-  assert loss.dtype == jnp.float32
+  assert closed.out_avals[-1].dtype == jnp.float32  # the loss
 
 
 @functools.cache
@@ -181,7 +180,7 @@ def _inner_state(opt_state):
 
 @pytest.mark.parametrize("kind", ["resnet", pytest.param("vit", marks=pytest.mark.slow)])
 def test_a_non_finite_step_leaves_model_optimizer_and_state_bitwise_unchanged(kind):
-  model, state, tx, step = _setup(kind, "mixed_float16")
+  model, state, tx, step = _setup(kind, "mixed_float16", depth=1)
   step = eqx.filter_jit(step)
   opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
   first, second = _batches(2)

@@ -3,36 +3,36 @@
 Equinox layers have no dtype knobs: they compute with whatever arrays they
 hold (``self.weight @ x``). So :func:`apply_policy` rebuilds the module tree
 out of place (as ``eqx.tree_at`` does): floating params are cast to their
-layer's param dtype, and the model, every ``equinox.nn`` layer that holds
-params, and every layer whose compute dtype differs from its parent's are
-wrapped in a :class:`PolicyLayer`. A wrapper casts, at call time, the params
-it holds to its compute dtype (inside a ``scan`` over stacked layers, so one
-layer's half-precision copy exists at a time), casts the call's inputs and
-outputs where its dtype differs from its parent's, computes a float32
-``LayerNorm`` / ``RMSNorm`` in a half-precision parent with the lean kernels
-of ``mpx._src.ops.normalization``, and replaces the contractions of
-``eqx.nn.Linear`` / ``eqx.nn.Conv`` under a float8 policy
-(``mpx._src.adapters.eqx_fp8``). Each layer's policy comes from the resolver
-the Flax adapters share (``mpx._src.adapters.layer_policy``), by Equinox's
-attribute paths (``layers/3/attention/query_proj``). The user-facing account
-is :func:`apply_policy`'s docstring.
+layer's param dtype, and the model, every ``equinox.nn`` layer with params
+and every layer whose compute dtype differs from its parent's are wrapped in
+a :class:`PolicyLayer`. The model's call casts every param to the compute
+dtype as it starts, down to the layers kept in another precision, which cast
+their own as their calls start (so a hand-written ``x @ self.w`` computes in
+the compute dtype too); a layer whose dtype differs from its parent's casts
+its call's inputs and outputs; a float32 ``LayerNorm`` / ``RMSNorm`` in a
+half-precision parent runs the lean kernels of ``mpx._src.ops.normalization``;
+``eqx.nn.Linear`` / ``eqx.nn.Conv`` under a float8 policy compute their
+products through ``mpx._src.adapters.eqx_fp8``. Each layer's policy comes
+from the resolver the Flax adapters share (``mpx._src.adapters.layer_policy``),
+by Equinox's attribute paths (``layers/3/attention/query_proj``); walking and
+casting the tree is ``mpx._src.adapters.eqx_tree``. The wrappers' name
+scopes carry the paths, which the audit reads. The user-facing account is
+:func:`apply_policy`'s docstring.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mpx._src import casting, errors
 from mpx._src import policy as policy_lib
 from mpx._src import tree as tree_lib
-from mpx._src.adapters import eqx_fp8, layer_policy
+from mpx._src.adapters import eqx_fp8, eqx_tree, layer_policy
 from mpx._src.adapters import keep as keep_lib
 from mpx._src.ops import normalization
 from mpx._src.scaling import state as loss_scale_state
@@ -44,65 +44,6 @@ DEFAULT_KEEP_CLASSES: tuple[type, ...] = (
   eqx.nn.GroupNorm,
 )
 _LEAN_NORM_KINDS: dict[type, str] = {eqx.nn.LayerNorm: "layer", eqx.nn.RMSNorm: "rms"}
-# What a wrapper's casts never touch: the model's state, other wrappers' layers, histories.
-OPAQUE: tuple[type, ...] = (eqx.nn.State, eqx.nn.StateIndex, eqx_fp8.Fp8History)
-
-
-def _cast_data(tree: Any, dtype: Any) -> Any:
-  """Casts the floating arrays of a call's arguments or results; states and modules pass as they are."""
-
-  def opaque(x: Any) -> bool:
-    return isinstance(x, (eqx.nn.State, eqx.Module))
-
-  return jax.tree.map(
-    lambda x: x if opaque(x) else casting.cast_tree(x, dtype), tree, is_leaf=opaque
-  )
-
-
-def _cast_params(layer: Any, dtype: Any) -> Any:
-  """Casts the floating arrays below a wrapper, down to the wrappers that cast their own."""
-
-  def opaque(x: Any) -> bool:
-    # A wrapper (or a diagnostics tap around one) with a boundary casts its own params.
-    boundary = isinstance(x, eqx.Module) and getattr(x, "mpx_boundary", None) is not None
-    return boundary or isinstance(x, OPAQUE)
-
-  return jax.tree.map(
-    lambda x: x if opaque(x) else casting.cast_tree(x, dtype), layer, is_leaf=opaque
-  )
-
-
-def path_parts(key_path: Any) -> tuple[Any, ...]:
-  """The attribute names and indices of a JAX key path, without the wrappers' own field."""
-  parts = []
-  for key in key_path:
-    part = getattr(key, "name", getattr(key, "idx", getattr(key, "key", key)))
-    if part not in tree_lib.WRAPPER_FIELDS:
-      parts.append(part)
-  return tuple(parts)
-
-
-def children(module: Any) -> list[tuple[Any, Any]]:
-  """``(key path, value)`` of a module's leaves, its sub-modules taken whole."""
-
-  def is_child(x: Any) -> bool:
-    return x is not module and isinstance(x, eqx.Module)
-
-  return jax.tree_util.tree_flatten_with_path(module, is_leaf=is_child)[0]
-
-
-def iter_modules(model: Any) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
-  """``(path parts, module, parent module)`` of every module of ``model``, parents first."""
-  stack: list[tuple[tuple[Any, ...], Any, Any]] = [((), model, None)]
-  while stack:
-    path, module, parent = stack.pop()
-    yield path, module, parent
-    nested = [
-      (path + path_parts(kp), child, module)
-      for kp, child in children(module)
-      if isinstance(child, eqx.Module) and not isinstance(child, OPAQUE)
-    ]
-    stack.extend(reversed(nested))
 
 
 class PolicyLayer(eqx.nn.StatefulLayer):
@@ -113,28 +54,28 @@ class PolicyLayer(eqx.nn.StatefulLayer):
   ``model.blocks[0]``), so code that reaches into the model and
   ``eqx.tree_at(lambda m: m.head.weight, ...)`` keep working. It is stateful
   exactly when the layer is (``eqx.nn.Sequential`` passes an ``eqx.nn.State``
-  to it then). A call casts the floating arrays the wrapper holds to
-  ``mpx_compute_dtype`` (those of nested wrappers are theirs to cast) and,
-  with a boundary, the call's floating inputs to the first dtype of
+  to it then). A call casts the floating arrays below the wrapper to its
+  compute dtype (down to nested wrappers with a boundary, which cast their
+  own; inside the model's call this is done once, by the model's wrapper)
+  and, with a boundary, the call's floating inputs to the first dtype of
   ``mpx_boundary`` and its floating outputs to the second; ``eqx.nn.State``
-  objects are never cast.
+  objects are never cast. Its calls run under the name scope of its path.
 
   Attributes:
     mpx_layer: the wrapped layer.
     mpx_history: a delayed float8 recipe's :class:`mpx.eqx.Fp8History`, or
       ``None``.
     mpx_policy: the layer's policy, as a string.
-    mpx_compute_dtype: the name of its compute dtype.
     mpx_boundary: ``(inner, outer)`` dtype names, or ``None`` for a layer
       that computes in its parent's compute dtype.
     mpx_path: the layer's ``/``-joined path in the model (``""`` for the
       model).
-    mpx_scope: the name scope of its calls (its path below the enclosing
-      wrapper), which the audit reads.
+    mpx_scope: the parts of its path below the enclosing wrapper: the name
+      scopes of its calls, which the audit reads.
     mpx_lean_norm: ``"layer"`` or ``"rms"`` for a norm computed by mpx's
       lean kernels, else ``None``.
-    mpx_contractions: the recipe or accumulation its products are replaced
-      with (``"fp8=<recipe>"``, ``"accumulate_in_float32"``), or ``None``.
+    mpx_contractions: ``"fp8"`` or ``"accumulate_in_float32"`` for a layer
+      whose products mpx computes, else ``None``.
     mpx_settings: on the model's wrapper, the policy, accumulation and keep
       rules it was applied with; ``None`` on the others.
   """
@@ -142,7 +83,6 @@ class PolicyLayer(eqx.nn.StatefulLayer):
   mpx_layer: Any
   mpx_history: eqx_fp8.Fp8History | None
   mpx_policy: str = eqx.field(static=True)
-  mpx_compute_dtype: str = eqx.field(static=True)
   mpx_boundary: tuple[str, str] | None = eqx.field(static=True)
   mpx_path: str = eqx.field(static=True)
   mpx_scope: tuple[str, ...] = eqx.field(static=True)
@@ -174,22 +114,22 @@ class PolicyLayer(eqx.nn.StatefulLayer):
       for part in self.mpx_scope:
         scopes.enter_context(jax.named_scope(part))
       # Inside the model's call, the params were cast with the parent's (a no-op again).
-      layer = _cast_params(self.mpx_layer, self.mpx_compute_dtype)
+      policy = policy_lib.get_policy(self.mpx_policy)
+      layer = eqx_tree.cast_params(self.mpx_layer, policy.compute_dtype)
       if self.mpx_settings is not None:  # The model: histories enter the forward pass here.
         layer = eqx_fp8.max_grad_histories(layer)
       if self.mpx_boundary is None:
-        return self._compute(layer, args, kwargs)
+        return self._compute(layer, policy, args, kwargs)
       inner, outer = self.mpx_boundary
       if self.mpx_lean_norm is not None:  # On the half-precision input, which it saves.
         out = _lean_norm(layer, self.mpx_lean_norm, args, kwargs, outer)
         if out is not None:
           return out
-      out = self._compute(layer, *_cast_data((args, kwargs), inner))
-      return _cast_data(out, outer)
+      out = self._compute(layer, policy, *eqx_tree.cast_data((args, kwargs), inner))
+      return eqx_tree.cast_data(out, outer)
 
-  def _compute(self, layer: Any, args: tuple, kwargs: dict) -> Any:
+  def _compute(self, layer: Any, policy: policy_lib.Policy, args: tuple, kwargs: dict) -> Any:
     if self.mpx_contractions is not None:
-      policy = policy_lib.get_policy(self.mpx_policy)
       replacements = eqx_fp8.replaced_contractions(
         layer, policy.fp8, self.mpx_contractions == "accumulate_in_float32"
       )
@@ -255,7 +195,7 @@ class _Builder:
     rules: keep_lib.KeepRules,
     accumulate_in_float32: bool,
   ) -> None:
-    self.records = {id(m): (path, parent) for path, m, parent in iter_modules(model)}
+    self.records = {id(m): (path, parent) for path, m, parent in eqx_tree.iter_modules(model)}
     self.accumulate = accumulate_in_float32
     self.layers = layer_policy.LayerPolicies(
       policy,
@@ -292,9 +232,9 @@ class _Builder:
       module, is_leaf=lambda x: x is not module and isinstance(x, eqx.Module)
     )
     for key_path, leaf in flat:
-      if isinstance(leaf, eqx.Module) and not isinstance(leaf, OPAQUE):
-        leaf = self.build(leaf, path + path_parts(key_path), path if wrap else base)
-      elif not isinstance(leaf, OPAQUE):
+      if isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx_tree.OPAQUE):
+        leaf = self.build(leaf, path + eqx_tree.path_parts(key_path), path if wrap else base)
+      elif not isinstance(leaf, eqx_tree.OPAQUE):
         leaf = casting.cast_tree(leaf, policy.param_dtype)
       new_leaves.append(leaf)
     rebuilt = jax.tree.unflatten(treedef, new_leaves)
@@ -307,7 +247,6 @@ class _Builder:
       mpx_layer=rebuilt,
       mpx_history=eqx_fp8.new_history(policy.fp8, rebuilt) if delayed else None,  # pyright: ignore[reportArgumentType]
       mpx_policy=str(policy),
-      mpx_compute_dtype=np.dtype(policy.compute_dtype).name,
       mpx_boundary=None if boundary is None else (boundary[0].name, boundary[1].name),
       mpx_path=layer_policy.join_path(path),
       mpx_scope=tuple(str(part) for part in path[len(base) :]),
@@ -352,12 +291,15 @@ def apply_policy(
   is rebuilt out of place. Floating params are cast to their layer's param
   dtype; the model, every ``equinox.nn`` layer that holds params and every
   layer whose compute dtype differs from its parent's become a
-  :class:`mpx.eqx.PolicyLayer`, which casts the params it holds to the
-  compute dtype at call time (the half-precision copy of one layer of a
-  ``scan`` over stacked layers exists inside the scan only) and casts a
-  call's floating inputs and outputs where the compute dtype changes. Every
-  floating array of a module is a param (Equinox does not tell params from
-  buffers): pin a module holding a float buffer with a keep rule.
+  :class:`mpx.eqx.PolicyLayer`. The model's call casts its params to the
+  compute dtype as it starts (a layer kept in another precision casts its
+  own as its call starts), so every layer, hand-written ``x @ self.w``
+  included, computes in the compute dtype; a call whose compute dtype
+  differs from its parent's casts its floating inputs and outputs. The
+  half-precision copy of the params lives for one call of the model (all of
+  a stack's, before a ``scan`` over stacked layers). Every floating array of
+  a module is a param (Equinox does not tell params from buffers): pin a
+  module holding a float buffer with a keep rule.
 
   * ``eqx.nn.MultiheadAttention`` computes its softmax in float32 itself;
     its projections compute in the compute dtype. For a hand-written

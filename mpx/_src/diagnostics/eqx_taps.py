@@ -26,7 +26,7 @@ from jax._src.interpreters import batching
 from jax.custom_batching import custom_vmap
 
 from mpx._src.adapters import eqx as eqx_adapter
-from mpx._src.adapters import layer_policy
+from mpx._src.adapters import eqx_tree, layer_policy
 from mpx._src.diagnostics import activations, histogram, locate
 from mpx._src.scaling import state as loss_scale_state
 
@@ -117,8 +117,8 @@ def _tapped(module: Any, path: tuple[Any, ...] = ()) -> Any:
     module, is_leaf=lambda x: x is not module and isinstance(x, eqx.Module)
   )
   for key_path, leaf in flat:
-    if isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx_adapter.OPAQUE):
-      child_path = path + eqx_adapter.path_parts(key_path)
+    if isinstance(leaf, eqx.Module) and not isinstance(leaf, eqx_tree.OPAQUE):
+      child_path = path + eqx_tree.path_parts(key_path)
       # A wrapper's layer is at the wrapper's path: the wrapper is tapped, its layer not.
       if inner and child_path == path:
         leaf = _tapped_children(leaf, child_path)
@@ -195,15 +195,8 @@ def collect_activations(
       leaves of each value and to each parameter gradient.
 
   Returns:
-    The :class:`mpx.diagnostics.ActivationStats`.
-
-  Example:
-    >>> import equinox as eqx, jax, jax.numpy as jnp, mpx
-    >>> model = eqx.nn.MLP(3, 1, 4, 1, key=jax.random.key(0))
-    >>> loss = lambda m, x: jax.vmap(m)(x).sum()
-    >>> stats = mpx.eqx.collect_activations(loss, model, jnp.ones((2, 3)))
-    >>> stats.modules
-    ('layers/0', 'layers/1', '<root>')
+    The :class:`mpx.diagnostics.ActivationStats` (``docs/guide/equinox.md``
+    shows one).
   """
   scale = loss_scale_state.loss_scale_value(loss_scale)
   return _prober(loss_fn, model, args, stat)(scale)

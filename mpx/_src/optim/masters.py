@@ -325,6 +325,11 @@ def apply_updates(
   the optimizer updates have no master there and get ``param + update``. It reads the masters that ``update`` wrote and checked; nothing is
   validated twice.
 
+  ``params`` may be a whole Equinox model whose updates were computed for
+  ``eqx.filter(model, eqx.is_inexact_array)``: a ``None`` update (where the
+  model holds a function, an integer array...) leaves its leaf as it is, as
+  ``eqx.apply_updates`` does.
+
   Args:
     params: the params the updates were computed for.
     updates: the updates returned together with ``opt_state``.
@@ -336,6 +341,17 @@ def apply_updates(
   Raises:
     StateError: ``opt_state``'s masters do not have the structure of ``params``.
   """
+
+  def is_none(x: Any) -> bool:
+    return x is None
+
+  kept = jax.tree.map(lambda u, p: u is None and p is not None, updates, params, is_leaf=is_none)
+  if any(jax.tree.leaves(kept)):
+    own = jax.tree.map(lambda u, p: None if u is None else p, updates, params, is_leaf=is_none)
+    new = apply_updates(own, updates, opt_state)
+    return jax.tree.map(
+      lambda u, n, p: p if u is None else n, updates, new, params, is_leaf=is_none
+    )
   if base.keeps_wide_updates(opt_state):
     # Float32 updates of bfloat16 params (remainder masters): added in float32 and rounded,
     # as optax.apply_updates does too, but under strict dtype promotion as well.

@@ -116,7 +116,9 @@ def main() -> None:
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--smoke", action="store_true", help="a 256 x 256 MLP")
   parser.add_argument(
-    "--out", type=pathlib.Path, help="default: results/fp8_recipes.json; --smoke writes only to --out"
+    "--out",
+    type=pathlib.Path,
+    help="default: results/fp8_recipes.json; --smoke writes only to --out",
   )
   args = parser.parse_args()
   batch, width = (256, 256) if args.smoke else (args.batch, args.width)

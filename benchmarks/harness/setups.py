@@ -126,8 +126,7 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
 Apply = Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]]
 
 
-def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
+def _gpt2_linen(config: str, cfg: gpt.GPTConfig, rules: mpx.KeepRules | None):
   module: Any = gpt.GPT(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
@@ -142,8 +141,7 @@ def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
   return init, apply, batch
 
 
-def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
+def _gpt2_nnx(config: str, cfg: gpt.GPTConfig, rules: mpx.KeepRules | None):
   dtype = jnp.bfloat16 if config == "bf16_flax" else None
 
   def build():
@@ -166,8 +164,7 @@ def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
   return init, apply, gpt.make_batch(cfg)
 
 
-def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = resnet50.ResNetConfig.smoke() if smoke else resnet50.ResNetConfig()
+def _resnet50_model(config: str, cfg: resnet50.ResNetConfig, rules: mpx.KeepRules | None):
   module: Any = resnet50.ResNet50(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
@@ -185,6 +182,11 @@ def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
 
 
 _MODELS = {"gpt2_linen": _gpt2_linen, "gpt2_nnx": _gpt2_nnx, "resnet50": _resnet50_model}
+_SHAPES = {
+  "gpt2_linen": gpt.GPTConfig,
+  "gpt2_nnx": gpt.GPTConfig,
+  "resnet50": resnet50.ResNetConfig,
+}
 
 
 # ---------------------------------------------------------------- the steps
@@ -238,7 +240,14 @@ def _jmp_step(loss_fn, tx):
   return step, init_opt
 
 
-def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") -> Setup:
+def build(
+  model: str,
+  config: str,
+  *,
+  smoke: bool,
+  loss_scale: Any = "dynamic",
+  batch_size: int | None = None,
+) -> Setup:
   """Returns the :class:`Setup` of ``model`` under ``config``.
 
   Args:
@@ -247,6 +256,7 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
     smoke: the small version of the model (``GPTConfig.smoke()``...).
     loss_scale: for the mpx configurations, ``mpx.mixed_precision``'s
       ``loss_scale`` (``None`` times a float16 step without loss scaling).
+    batch_size: the batch, if not the model's default (``ResNetConfig``: 64).
 
   Returns:
     The setup.
@@ -254,7 +264,10 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
   if config not in CONFIGS or model not in MODELS:
     raise ValueError(f"unknown model/config {model}/{config}: pick from {MODELS} and {CONFIGS}")
   rules = mpx.KeepRules(lean_norms=False) if config == "mpx_bf16_flax_norms" else None
-  init, apply, batch = _MODELS[model](config, smoke, rules)
+  shape = _SHAPES[model].smoke() if smoke else _SHAPES[model]()
+  if batch_size is not None:
+    shape = dataclasses.replace(shape, batch_size=batch_size)
+  init, apply, batch = _MODELS[model](config, shape, rules)
   tx = optax.adamw(LEARNING_RATE, weight_decay=0.01)
   jmp_policy = jmp.get_policy(_JMP_POLICY)
 

@@ -28,8 +28,8 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.ops.attention import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import accumulate_in_float32 as accumulate_in_float32
-from mpx._src.ops.kernels import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import softmax as softmax
 from mpx._src.optim.kahan import KahanState as KahanState
 from mpx._src.optim.kahan import with_kahan_summation as with_kahan_summation

@@ -14,7 +14,15 @@ import mpx
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 API_RST = ROOT / "docs" / "api.rst"
-NAMESPACES = ["mpx", "mpx.diagnostics", "mpx.fp8", "mpx.parallel", "mpx.linen", "mpx.nnx"]
+NAMESPACES = [
+  "mpx",
+  "mpx.diagnostics",
+  "mpx.fp8",
+  "mpx.parallel",
+  "mpx.losses",
+  "mpx.linen",
+  "mpx.nnx",
+]
 # The names that left the top level for a namespace; they resolve with a DeprecationWarning
 # for one release.
 MOVED = {

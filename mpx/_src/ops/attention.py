@@ -159,6 +159,11 @@ def _cudnn_blocker(
   return None
 
 
+def cudnn_blocker_cache_clear() -> None:
+  """Forgets which shapes cuDNN could not be traced for (jax's CUDA plugin was just loaded)."""
+  _cudnn_blocker.cache_clear()
+
+
 def fused_blocker(
   query: jax.Array,
   key: jax.Array,

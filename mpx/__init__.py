@@ -8,8 +8,9 @@ The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
 and the Equinox one :mod:`mpx.eqx`, imported on first use: ``import mpx``
 imports neither Flax nor Equinox. The precision
 diagnostics (histograms, range reports, plots) are :mod:`mpx.diagnostics` and
-the float8 building blocks :mod:`mpx.fp8` and the sharded-training helpers
-:mod:`mpx.parallel`, also imported on first use.
+the float8 building blocks :mod:`mpx.fp8`, the sharded-training helpers
+:mod:`mpx.parallel` and the half-precision losses :mod:`mpx.losses`, also
+imported on first use.
 """
 
 import importlib as _importlib
@@ -29,8 +30,8 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.ops.attention import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import accumulate_in_float32 as accumulate_in_float32
-from mpx._src.ops.kernels import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import softmax as softmax
 from mpx._src.optim.kahan import KahanState as KahanState
 from mpx._src.optim.kahan import with_kahan_summation as with_kahan_summation
@@ -66,12 +67,13 @@ if _typing.TYPE_CHECKING:
   from mpx import eqx as eqx
   from mpx import fp8 as fp8
   from mpx import linen as linen
+  from mpx import losses as losses
   from mpx import nnx as nnx
   from mpx import parallel as parallel
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics", "eqx", "fp8", "linen", "nnx", "parallel")
+_LAZY_SUBMODULES = ("diagnostics", "eqx", "fp8", "linen", "losses", "nnx", "parallel")
 
 # Names that moved to a namespace after 0.1.0: old top-level name -> namespace. They
 # still resolve, with a DeprecationWarning, for one release.
@@ -141,6 +143,7 @@ __all__ = (
   "get_policy",
   "linen",
   "loss_scale_metrics",
+  "losses",
   "mixed_precision",
   "nnx",
   "no_loss_scale",

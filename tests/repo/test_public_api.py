@@ -19,6 +19,7 @@ NAMESPACES = [
   "mpx.diagnostics",
   "mpx.fp8",
   "mpx.parallel",
+  "mpx.losses",
   "mpx.linen",
   "mpx.nnx",
   "mpx.eqx",

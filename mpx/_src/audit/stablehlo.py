@@ -16,6 +16,7 @@ import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
+from mpx._src.ops import attention as attention_lib
 
 _PRODUCT_OPS = {
   "stablehlo.dot_general": "dot_general",
@@ -45,6 +46,8 @@ _INTERNAL_SCOPES = frozenset(
     "while",
   }
 )
+# Scopes that name no module: jax's cond branches ('branch_0_fun'), mpx's attention's.
+_SCOPES = rf"branch_\d+_fun|{attention_lib.SCOPES}"
 _WRAPPED = re.compile(r"([A-Za-z_][\w.]*)\((.*)\)")
 _LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
 _FRAME = re.compile(r'"([A-Za-z_<][\w.<>]*)"\(')
@@ -135,7 +138,7 @@ def module_path(name: str, location: str) -> tuple[str, bool]:
       # A function name, an einsum spec, or a library's own scope (Equinox scopes each
       # layer's call `eqx.nn.<class>`; mpx.eqx scopes it by its path), not a module.
       continue
-    if seg and seg not in _INTERNAL_SCOPES:
+    if seg and seg not in _INTERNAL_SCOPES and not re.fullmatch(_SCOPES, seg):
       # A rematerialised body replays the name stack it was traced under inside
       # its transpose: 'transpose(jvp(Model))/jvp(Model)/checkpoint/...'. The
       # replay carries the inner wrappers of the scope it repeats; a module

@@ -121,7 +121,12 @@ def test_train_step_runs_every_product_in_half_precision_and_norms_in_float32(ki
     assert report.half_flops_share == 1.0 and not report.float32_ops, str(report)
     assert {op.lhs_dtype for op in report.ops} == {compute}
     if kind == "resnet":  # every product named by its layer's path
-      assert {op.module_path for op in report.ops} == {"stem", "blocks/0/conv1", "blocks/0/conv2", "head"}
+      assert {op.module_path for op in report.ops} == {
+        "stem",
+        "blocks/0/conv1",
+        "blocks/0/conv2",
+        "head",
+      }
   elif kind == "vit":
     # Every layer's products in float8; the attention's two products of activations in bfloat16.
     assert report.half_flops_share == 1.0 and report.fp8_flops_share > 0.7, str(report)

@@ -12,6 +12,7 @@ import optax
 import pytest
 
 import mpx
+from mpx._src.scaling import train_step
 
 
 class Block(eqx.Module):
@@ -94,5 +95,5 @@ def test_gradient_paths_and_range_reports_name_equinox_paths():
     return opt_state, mpx.diagnostics.range_report(grads, jnp.float16)
 
   opt_state, report = step(model, opt_state)
-  assert mpx.nonfinite_gradient_paths(opt_state, params) == ["head/weight"]
+  assert train_step.nonfinite_gradient_paths(opt_state, params) == ["head/weight"]
   assert 0 < float(np.asarray(report.nonfinite).max()) < 1

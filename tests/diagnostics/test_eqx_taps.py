@@ -81,6 +81,7 @@ def test_the_locator_tells_a_backward_overflow_that_a_smaller_scale_absorbs():
   assert report.backward is not None and report.finite_scale < 2.0**40
 
 
+@pytest.mark.slow
 def test_gradient_paths_and_range_reports_name_equinox_paths():
   model = mpx.eqx.apply_policy(Net(jax.random.key(0)), "mixed_float16")
   params = eqx.filter(model, eqx.is_inexact_array)

@@ -158,8 +158,9 @@ def _loaded_after(script: str, prefixes: tuple[str, ...] = ("flax",)) -> list[st
   return result.stdout.split()
 
 
-def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax():
-  loaded = _loaded_after("""
+def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax_or_equinox():
+  loaded = _loaded_after(
+    """
     import jax.numpy as jnp, optax
     import mpx
     params = {"w": jnp.ones(3), "step": jnp.zeros((), jnp.int32)}
@@ -167,19 +168,25 @@ def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax():
     mpx.Policy, mpx.cast_tree(params, "bf16")
     mpx.KeepRules().with_path("head$", "float32")
     mpx.mixed_precision(optax.sgd(0.1), "mixed_float16").init({"w": jnp.ones(3)})
-    assert {"linen", "nnx"} <= set(dir(mpx)) and {"linen", "nnx"} <= set(mpx.__all__)
-  """)
+    mpx.value_and_grad(lambda p: (p["w"] ** 2).sum(), 1.0)({"w": jnp.ones(3)})
+    assert {"linen", "nnx", "eqx"} <= set(dir(mpx)) and {"linen", "nnx", "eqx"} <= set(mpx.__all__)
+    """,
+    prefixes=("flax", "equinox"),
+  )
   assert loaded == []
 
 
 def test_the_diagnostics_and_fp8_namespaces_import_neither_flax_nor_matplotlib():
   loaded = _loaded_after(
     """
-    import jax.numpy as jnp
+    import jax, jax.numpy as jnp
     import mpx, mpx.diagnostics, mpx.fp8, mpx.parallel
     assert mpx.diagnostics is __import__("sys").modules["mpx.diagnostics"]
     mpx.diagnostics.range_report({"w": jnp.ones(3)}, jnp.float16)
     mpx.fp8.quantize_dequantize(jnp.ones(3), jnp.float8_e4m3fn, scale=jnp.float32(1.0))
+    import equinox as eqx  # and the Equinox namespace (its diagnostics included)
+    model = mpx.eqx.apply_policy(eqx.nn.Linear(2, 2, key=jax.random.key(0)), "mixed_bfloat16")
+    jax.eval_shape(model, jnp.ones(2))
     """,
     prefixes=("flax", "matplotlib"),
   )

@@ -225,14 +225,6 @@ def locate_nonfinite(
 
   Returns:
     A :class:`mpx.diagnostics.NonfiniteReport`; ``print`` it for an explanation.
-
-  Example:
-    >>> import equinox as eqx, jax, jax.numpy as jnp, mpx
-    >>> model = eqx.nn.Sequential([eqx.nn.Linear(3, 4, key=jax.random.key(0)), eqx.nn.Lambda(jnp.log)])
-    >>> loss = lambda m, x: jax.vmap(m)(x).sum()
-    >>> report = mpx.eqx.locate_nonfinite(loss, model, -jnp.ones((2, 3)))
-    >>> report.forward, report.cause
-    (NonfiniteLocation(module='layers/1', value='output'), 'genuine')
   """
   scale = float(loss_scale_state.loss_scale_value(loss_scale))
   probe = _prober(loss_fn, model, args, histogram.magnitude_histogram)

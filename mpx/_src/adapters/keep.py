@@ -25,28 +25,28 @@ def _pairs(rules: Mapping[Any, PolicyLike] | Iterable[tuple[Any, PolicyLike]]) -
 
 @dataclasses.dataclass(frozen=True)
 class KeepRules:
-  """Which layers of a Flax model run under a policy of their own instead of the model's.
+  """Which layers of a Flax or Equinox model run under a policy of their own instead of the model's.
 
   The paper (section 3) keeps three things out of half precision: the master
   weights, the reductions (normalisation statistics, softmax) and the
-  accumulation of products. :func:`mpx.linen.apply_policy` and
-  :func:`mpx.nnx.apply_policy` give every layer the model's policy except
-  where these rules give it another one:
+  accumulation of products. :func:`mpx.linen.apply_policy`,
+  :func:`mpx.nnx.apply_policy` and :func:`mpx.eqx.apply_policy` give every
+  layer the model's policy except where these rules give it another one:
 
   * **normalisation layers**: with ``norms_in_float32`` (the default), the
-    ``BatchNorm``, ``LayerNorm``, ``RMSNorm`` and ``GroupNorm`` of the Flax API
+    ``BatchNorm``, ``LayerNorm``, ``RMSNorm`` and ``GroupNorm`` of the API
     in use (:data:`mpx.linen.DEFAULT_KEEP_CLASSES`,
-    :data:`mpx.nnx.DEFAULT_KEEP_CLASSES`) keep float32 params, statistics and
-    compute;
+    :data:`mpx.nnx.DEFAULT_KEEP_CLASSES`, :data:`mpx.eqx.DEFAULT_KEEP_CLASSES`)
+    keep float32 params, statistics and compute;
   * by **class**: a layer matches by ``isinstance``; a class rule also wins
     over the normalisation default, so ``with_class(nn.LayerNorm,
     "mixed_bfloat16")`` lets layer norms follow a bfloat16 policy;
   * by **path**: a regular expression searched (``re.search``) in the layer's
     ``/``-joined module path: linen's module names (``"Decoder_0/head"``), or
-    NNX's attribute path (``"blocks/0/mlp"``); anchor it with ``^...$`` to
+    the attribute path of NNX and Equinox (``"blocks/0/mlp"``); anchor it with ``^...$`` to
     name one exact path. A path rule that matches no layer raises a
     :class:`mpx.PrecisionWarning` that lists the model's paths;
-  * by **instance** (NNX only): one module object, matched by identity. Linen
+  * by **instance** (NNX, Equinox): one module object, matched by identity. Linen
     clones its modules on every ``init`` / ``apply``, so a linen module's
     identity does not survive; pin it by path instead.
 

@@ -815,7 +815,8 @@ def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
   tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
   step = _maybe_jit(tx.update, use_jit)
   state = tx.init(params)
-  assert int(state.nonfinite_leaf) == -1 and mpx.nonfinite_gradient_paths(state, params) == []
+  assert int(state.nonfinite_leaf) == -1
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == []
   cases = [
     (("c_big",), 2),
     (("e_small",), 4),
@@ -830,7 +831,7 @@ def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
     _, state = step(_attribution_grads(*bad), state, params)
     assert int(state.nonfinite_leaf) == leaf, bad
     assert int(mpx.loss_scale_metrics(state)["nonfinite_leaf"]) == leaf
-    assert mpx.nonfinite_gradient_paths(state, params) == [names[leaf]]
+    assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == [names[leaf]]
     _, state = step(_attribution_grads(), state, params)  # a finite step keeps the record
     assert int(state.nonfinite_leaf) == leaf
   assert int(state.skipped_steps) == len(cases)
@@ -882,7 +883,7 @@ def test_a_finite_gradient_that_overflows_only_when_unscaled_is_attributed():
   grads = {"a": jnp.ones(70_000), "b": jnp.array([1.0, 1.0e36, 1.0])}
   _, state = tx.update(grads, tx.init(params), params)
   assert int(state.skipped_steps) == 1
-  assert mpx.nonfinite_gradient_paths(state, params) == ["b"]
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == ["b"]
 
 
 def test_nonfinite_gradient_paths_rejects_params_of_another_model():
@@ -890,7 +891,7 @@ def test_nonfinite_gradient_paths_rejects_params_of_another_model():
   tx = mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0)))
   _, state = tx.update(_attribution_grads("e_small"), tx.init(params), params)
   with pytest.raises(mpx.StateError, match="gradient leaf 4, but these params have 1 leaf "):
-    mpx.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
+    mpx.diagnostics.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
 
 
 def test_skip_history_and_overflow_rate_cover_the_last_32_steps():
@@ -1041,7 +1042,7 @@ def test_empty_gradient_leaves(shape):
   grads = {"e": jnp.zeros(shape, F16), "w": jnp.array([1.0, jnp.inf], F16)}
   _, state = jax.jit(tx.update)(grads, state, params)
   assert int(state.skipped_steps) == 1
-  assert mpx.nonfinite_gradient_paths(state, params) == ["w"]
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == ["w"]
 
 
 def test_advice_for_integer_gradient_leaves_works():

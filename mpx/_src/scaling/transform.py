@@ -181,7 +181,7 @@ def dynamic_loss_scale(
      ``count``: a learning-rate schedule does not advance);
   4. adjusts the scale by the rule below, counts skipped steps, and records
      which gradient leaf broke a skipped step
-     (``nonfinite_leaf``, for :func:`mpx.nonfinite_gradient_paths`) and
+     (``nonfinite_leaf``, for :func:`mpx.diagnostics.nonfinite_gradient_paths`) and
      the last 32 steps' skips (``skip_history``, for the overflow rate of
      :func:`mpx.loss_scale_metrics`).
 

@@ -292,9 +292,8 @@ def _with_quantized_moments(
     return low_bit.dequantize(x, low_bit.code_for(path, fmt), block_size)
 
   def init_fn(params: optax.Params) -> optax.OptState:
-    state = tree_lib.place_state(inner.init(params), params)
-    # Eagerly built codes go where their float32 moment was placed (its param's sharding).
-    return _map_moments(lambda p, x: low_bit.place(quantize(p, x), x), state)
+    # Codes on their param's sharding, scales on its leading axes (tree.shardings_like_params).
+    return tree_lib.place_state(_map_moments(quantize, inner.init(params)), params)
 
   def update_fn(
     updates: optax.Updates,

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -935,14 +936,6 @@ def test_axis_name_makes_the_attribution_global():
   np.testing.assert_array_equal(new.skip_history, [1, 1, 1])
 
 
-@pytest.fixture
-def unwarned(monkeypatch):
-  """Resets the once-per-process flag of the forgotten-scale warning."""
-  from mpx._src.scaling import misuse
-
-  monkeypatch.setattr(misuse, "_warned_unscaled", False)
-
-
 def _sgd_step(tx, grad_fn):
   @jax.jit
   def step(params, state):
@@ -953,16 +946,31 @@ def _sgd_step(tx, grad_fn):
   return step
 
 
-def test_forgotten_value_and_grad_warns_once_and_names_the_fix(unwarned):
+def test_forgotten_value_and_grad_warns_once_per_step_function_and_names_the_fix():
   tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
   params = {"w": jnp.ones(3)}
   step = _sgd_step(tx, lambda f, state: jax.grad(f))
-  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad.*mpx\.scale"):
+  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad.*mpx\.scale.*step at "):
     new_params, _ = step(params, tx.init(params))
   # What the warning is about: the true gradient 0.5 moved w by 0.1 * 0.5 / 2**15, not 0.05.
   np.testing.assert_allclose(new_params["w"], 1 - 0.05 / 2**15, rtol=1e-7)
-  again = _sgd_step(tx, lambda f, state: jax.grad(f))  # a new trace: silent
-  again(params, tx.init(params))
+  step(new_params, tx.init(params))  # the same trace: silent (warnings are errors)
+
+
+def test_forgotten_value_and_grad_warns_for_every_step_function():
+  # Issue 34: the warning came once per process, so a second step function trained as badly
+  # without a word. Under Python's default filter (once per message and line) too, each step
+  # function warns, though both call update from one line (this helper's).
+  tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
+  params = {"w": jnp.ones(3)}
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("default")
+    for _ in range(2):
+      step = _sgd_step(tx, lambda f, state: jax.grad(f))
+      step(params, tx.init(params))
+      step(params, tx.init(params))  # the same trace
+  assert [w.category for w in record] == [mpx.PrecisionWarning] * 2
+  assert "once per traced step function" in str(record[1].message)
 
 
 @pytest.mark.parametrize(
@@ -976,14 +984,14 @@ def test_forgotten_value_and_grad_warns_once_and_names_the_fix(unwarned):
   ids=["value_and_grad", "scale", "get_loss_scale", "by_hand"],
 )
 @pytest.mark.parametrize("policy", ["mixed_float16", "params=float16,compute=float16"])
-def test_scaled_gradients_do_not_warn(unwarned, grad_fn, policy):
+def test_scaled_gradients_do_not_warn(grad_fn, policy):
   tx = mpx.mixed_precision(optax.sgd(0.1), policy)
   params = mpx.get_policy(policy).cast_to_param({"w": jnp.ones(3)})
   new_params, _ = _sgd_step(tx, grad_fn)(params, tx.init(params))  # warnings are errors
   np.testing.assert_allclose(new_params["w"].astype(F32), 0.95, rtol=1e-3)
 
 
-def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn(unwarned):
+def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn():
   params = {"w": jnp.ones(3)}
   for tx in (
     mpx.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"),  # no_loss_scale: nothing to forget
@@ -994,7 +1002,7 @@ def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn
     step(params, state)
 
 
-def test_forgotten_value_and_grad_warns_under_nnx(unwarned):
+def test_forgotten_value_and_grad_warns_under_nnx():
   from flax import nnx
 
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))

@@ -124,6 +124,13 @@ def test_no_page_uses_a_moved_top_level_name():
   assert found == [], "write the namespace: mpx.diagnostics.X, mpx.fp8.X, mpx.parallel.X"
 
 
+def test_every_guide_page_is_linked_from_the_readme():
+  readme = (ROOT / "README.md").read_text(encoding="utf-8")
+  linked = set(re.findall(r"\]\((docs/[^)#\s]+\.md)", readme))
+  pages = {str(p.relative_to(ROOT)) for p in (ROOT / "docs" / "guide").glob("*.md")}
+  assert sorted(pages - linked) == [], "link every docs/guide page from README.md's Documentation"
+
+
 def test_a_moved_name_warns_at_the_line_that_uses_it():
   with pytest.warns(DeprecationWarning) as record:
     mpx.range_report  # noqa: B018

@@ -18,8 +18,6 @@ import typing as _typing
 import warnings as _warnings
 
 from mpx._src.adapters.keep import KeepRules as KeepRules
-from mpx._src.audit.ops import MatmulOp as MatmulOp
-from mpx._src.audit.report import AuditReport as AuditReport
 from mpx._src.audit.report import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
 from mpx._src.errors import ConfigError as ConfigError
@@ -54,7 +52,6 @@ from mpx._src.scaling.state import LossScaleState as LossScaleState
 from mpx._src.scaling.state import get_loss_scale as get_loss_scale
 from mpx._src.scaling.train_step import check_loss_scale as check_loss_scale
 from mpx._src.scaling.train_step import loss_scale_metrics as loss_scale_metrics
-from mpx._src.scaling.train_step import nonfinite_gradient_paths as nonfinite_gradient_paths
 from mpx._src.scaling.train_step import scale as scale
 from mpx._src.scaling.train_step import unscale as unscale
 from mpx._src.scaling.train_step import value_and_grad as value_and_grad
@@ -81,11 +78,14 @@ _MOVED = {
   **dict.fromkeys(
     (
       "ActivationStats",
+      "AuditReport",
       "MagnitudeHistogram",
+      "MatmulOp",
       "NonfiniteReport",
       "RangeReport",
       "ScaleRecommendation",
       "magnitude_histogram",
+      "nonfinite_gradient_paths",
       "plot_flushed_heatmap",
       "plot_loss_scale",
       "plot_magnitude_histogram",
@@ -104,10 +104,10 @@ _MOVED = {
     ),
     "fp8",
   ),
+  **dict.fromkeys(("all_gather_params", "all_reduce_gradients", "state_shardings"), "parallel"),
 }
 
 __all__ = (
-  "AuditReport",
   "ConfigError",
   "Fp8Recipe",
   "KahanState",
@@ -116,7 +116,6 @@ __all__ = (
   "LossScaleDivergedError",
   "LossScaleState",
   "MasterParamsState",
-  "MatmulOp",
   "MpxError",
   "Policy",
   "PolicyError",
@@ -147,7 +146,6 @@ __all__ = (
   "mixed_precision",
   "nnx",
   "no_loss_scale",
-  "nonfinite_gradient_paths",
   "parallel",
   "scale",
   "softmax",

@@ -392,7 +392,7 @@ def matmul_ops(module: Any) -> list[dict[str, Any]]:
     module: the ``compiler_ir("stablehlo")`` of a lowered JAX program.
 
   Returns:
-    One dict per op with the fields of ``mpx.MatmulOp`` except ``share``.
+    One dict per op with the fields of ``mpx.diagnostics.MatmulOp`` except ``share``.
   """
   return [_record(raw) for raw in _collect(module, frozenset(_PRODUCT_OPS))]
 

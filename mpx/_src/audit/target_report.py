@@ -164,7 +164,7 @@ class TargetReport:
       ``op_name``, ``count``, ``bytes``; see ``compiled.kernels``).
     collectives: the collectives (none on one GPU).
     intended: the StableHLO audit of the same lowering (what the program asks
-      for before XLA's GPU passes), an :class:`mpx.AuditReport`.
+      for before XLA's GPU passes), an :class:`mpx.diagnostics.AuditReport`.
     lost: one line per layer whose products were meant to run in float8 (or
       half precision) and whose compiled kernels multiply something wider.
     attention: which attention each attention layer's pass runs (cuDNN's

@@ -554,6 +554,37 @@ def test_update_rolls_commits_and_keeps_a_running_max():
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
 
 
+@pytest.mark.parametrize("scaling", ["current", "delayed", "rowwise", "mxfp8", "blockwise"])
+def test_an_empty_batch_runs_every_recipe_and_records_nothing(scaling):
+  # The last batch of a sharded epoch may be empty: empty products, zero weight
+  # gradients, and (delayed) no amax recorded for the empty tensors.
+  recipe = mpx.Fp8Recipe(scaling, history_length=2)
+  empty = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
+  before = (jnp.array([0.0, 5.0, 3.0]), jnp.array([0.0, 1.0, 1.0]), jnp.array([0.0, 2.0, 1.0]))
+  state = before if recipe.delayed else None
+  x = jnp.zeros((0, 32), jnp.bfloat16)
+  w = jnp.full((32, 16), 0.5, jnp.bfloat16)
+
+  @jax.jit
+  def run(x, w, state):
+    def loss(x, w, state):
+      return jnp.sum(mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state))
+
+    out = mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)
+    return out, jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
+
+  out, (gx, gw, observed) = run(x, w, state)
+  assert out.shape == (0, 16) and gx.shape == (0, 32) and gw.shape == w.shape
+  assert not np.asarray(gw.astype(jnp.float32)).any()
+  if recipe.delayed:
+    assert [float(o[0]) for o in observed] == [0.0, 0.5, 0.0]
+    after = mpx.fp8.update_fp8_state(before, observed)
+    np.testing.assert_array_equal(np.asarray(after[0]), before[0])  # nothing to record
+    np.testing.assert_array_equal(np.asarray(after[1]), [0.0, 0.5, 1.0])  # the weight's amax
+    np.testing.assert_array_equal(np.asarray(after[2]), before[2])
+    assert empty[0].shape == before[0].shape
+
+
 @pytest.mark.parametrize("commit", [True, False])
 def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
@@ -798,6 +829,55 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
     assert sorted(flag.removeprefix("fp8:").split(",")) == sorted(
       f.removeprefix("float8_") for f in formats
     )
+
+
+# Flax's Fp8Test.test_fp8_einsum (tests/linen/linen_test.py) under mpx's API: a linen
+# Einsum under each per-tensor fp8 policy, operands exactly representable in float8 (as
+# Flax casts them), against jnp.einsum. Delayed scaling outside jax.jit hashed its
+# histories into jnp.einsum's static contraction and raised.
+_FLAX_EINSUMS = [
+  ((16, 32), (32, 64), (16, 64), "mk,kn->mn"),
+  ((2, 3, 32), (64, 32), (2, 3, 64), "...k,nk->...n"),
+  ((2, 3, 64), (64, 32), (2, 3, 32), "...k,kn->...n"),
+]
+
+
+def _flax_einsum_cases():
+  # One case in the fast suite (the one that raised), the others slow.
+  for shapes in _FLAX_EINSUMS:
+    for policy in ("mixed_float8", "mixed_float8_delayed"):
+      for jit in (True, False):
+        fast = shapes[3] == "mk,kn->mn" and policy.endswith("delayed") and not jit
+        name = f"{shapes[3]}-{policy}-{'jit' if jit else 'eager'}"
+        marks = () if fast else (pytest.mark.slow,)
+        yield pytest.param(*shapes, policy, jit, id=name, marks=marks)
+
+
+@pytest.mark.parametrize(
+  ("x_shape", "y_shape", "g_shape", "eqn", "policy", "jit"), list(_flax_einsum_cases())
+)
+def test_flax_fp8_einsum_cases(x_shape, y_shape, g_shape, eqn, policy, jit):
+  _, key1, key2, key3 = jax.random.split(jax.random.key(42), 4)
+  one = jnp.float32(1.0)
+  x = mpx.fp8.quantize_dequantize(jax.random.normal(key1, x_shape), jnp.float8_e4m3fn, scale=one)
+  y = mpx.fp8.quantize_dequantize(jax.random.normal(key2, y_shape), jnp.float8_e4m3fn, scale=one)
+  g = mpx.fp8.quantize_dequantize(jax.random.normal(key3, g_shape), jnp.float8_e5m2, scale=one)
+  layer = mpx.linen.apply_policy(nn.Einsum(y_shape, eqn, use_bias=False), policy)
+  variables = layer.init(jax.random.key(0), x)
+  assert ("fp8_history" in variables) == policy.endswith("delayed")
+
+  def loss(y, x):
+    out = layer.apply({**variables, "params": {"kernel": y}}, x)
+    return jnp.sum(out.astype(jnp.float32) * g)
+
+  def loss_ref(y, x):
+    return jnp.sum(jnp.einsum(eqn, x, y, precision="highest") * g)
+
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+  value, grads = (jax.jit(step) if jit else step)(y, x)
+  value_ref, grads_ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1)))(y, x)
+  for got, want in ((value, value_ref), *zip(grads, grads_ref, strict=True)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-2, rtol=1e-2)
 
 
 def test_linen_and_nnx_fp8_outputs_match_a_manual_float8_layer():

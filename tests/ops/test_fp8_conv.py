@@ -177,6 +177,23 @@ def test_outputs_and_gradients_reach_20_db_on_tensors_with_outliers(scaling):
   assert min(sqnrs) >= 20, sqnrs
 
 
+@pytest.mark.parametrize("scaling", ["current", "delayed"])
+def test_an_empty_batch_gives_empty_convolutions_and_zero_weight_gradients(scaling):
+  recipe = mpx.Fp8Recipe(scaling)
+  state = tuple(fp8_scaling.init_history(recipe) for _ in range(3)) if recipe.delayed else None
+  x = jnp.zeros((0, 8, 8, 16), jnp.bfloat16)
+  w = jnp.ones((3, 3, 16, 16), jnp.bfloat16)
+
+  def conv(x, w):
+    return mpx.fp8.fp8_conv_general_dilated(
+      x, w, (2, 2), "SAME", dimension_numbers=NHWC, recipe=recipe, state=state
+    )
+
+  out, gx, gw = _conv_and_gradients(conv, x, w, jnp.zeros((0, 4, 4, 16), jnp.bfloat16))
+  assert out.shape == (0, 4, 4, 16) and gx.shape == x.shape and gw.shape == w.shape
+  assert not gw.any()
+
+
 def test_delayed_state_gradient_is_the_observed_amax():
   rng = np.random.default_rng(3)
   x = jnp.asarray(rng.standard_normal((2, 6, 6, 16)) * 4, jnp.float32)

@@ -153,6 +153,10 @@ def tile_quantize(
 def _block_scaled_dot(
   a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], dimension_numbers: Any
 ) -> jax.Array:
+  if not (a[0].size and b[0].size):
+    # An empty batch (the last step of a sharded epoch): scaled_dot divides by the
+    # block count; the plain product of no elements is the same zeros (or nothing).
+    return jax.lax.dot_general(a[0], b[0], dimension_numbers, preferred_element_type=jnp.float32)
   return jax.lax.scaled_dot(
     a[0],
     b[0],

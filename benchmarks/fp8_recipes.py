@@ -115,6 +115,9 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=4096)
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--smoke", action="store_true", help="a 256 x 256 MLP")
+  parser.add_argument(
+    "--out", type=pathlib.Path, help="default: results/fp8_recipes.json; --smoke writes only to --out"
+  )
   args = parser.parse_args()
   batch, width = (256, 256) if args.smoke else (args.batch, args.width)
   rows, baselines = [], {}
@@ -143,7 +146,9 @@ def main() -> None:
       f"{r['temp_bytes'] / 2**20:.1f} ({r['temp_vs_bf16']:.2f}) | {r['kernel_count']} | "
       f"{s['output']:.1f} / {s['input_grad']:.1f} / {s['weight_grad']:.1f} |"
     )
-  out = RESULTS / f"fp8_recipes{'_smoke' if args.smoke else ''}.json"
+  out = args.out or (None if args.smoke else RESULTS / "fp8_recipes.json")
+  if out is None:
+    return
   out.write_text(
     json.dumps(
       {

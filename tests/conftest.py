@@ -14,9 +14,9 @@ figures bitwise unchanged.
 import os
 import pathlib
 
-# The suite runs on the CPU. The GPU-target tests compile for CUDA devices without a GPU, which
-# needs the CUDA plugin ([test] installs it) to stay off when jax starts: without a GPU its
-# version check fails. Subprocesses (examples, docs pages) inherit the setting.
+# The suite runs on the CPU (subprocesses, the examples and docs pages, inherit the setting). The
+# GPU-target tests compile for CUDA devices without a GPU through jax's CUDA plugin, which mpx
+# loads when they ask for it (mpx._src.audit.toolchain).
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ["XLA_FLAGS"] = " ".join(
   [
@@ -46,6 +46,19 @@ def _strict_promotion():
 # after it, with ``pytest -m slow``.
 _REPO = pathlib.Path(__file__).resolve().parent / "repo"
 _FAST_IN_REPO = frozenset({"test_public_api.py"})
+
+
+def pytest_sessionstart(session):
+  # The GPU-target tests skip without jax's CUDA plugin (`python -m mpx.gpu_target` installs it);
+  # CI sets MPX_REQUIRE_GPU_TARGET so that a missing toolchain fails instead of skipping them.
+  del session
+  from mpx._src.audit import toolchain
+
+  if os.environ.get("MPX_REQUIRE_GPU_TARGET") and not toolchain.available():
+    raise pytest.UsageError(
+      "MPX_REQUIRE_GPU_TARGET is set but the GPU-target toolchain is missing: run "
+      f"`{toolchain.COMMAND}` first."
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -14,6 +14,7 @@ import optax
 import pytest
 from flax import nnx
 from flax.training import train_state
+from marks import all_but
 from optax_compat import standard_promotion
 
 import mpx
@@ -82,8 +83,13 @@ def _loss(out):
 
 @pytest.mark.parametrize(
   ("layout", "api"),
-  [(layout, "apply") for layout in LAYOUTS]
-  + [("float16_masters", "train_state"), ("fp8_delayed", "train_state")],
+  all_but(
+    [(layout, "apply") for layout in LAYOUTS]
+    + [("float16_masters", "train_state"), ("fp8_delayed", "train_state")],
+    ("float32", "apply"),
+    ("float16_masters", "train_state"),
+    ("fp8_delayed", "train_state"),
+  ),
 )
 def test_linen_step_compiles_once(layout, api):
   policy, make_tx = LAYOUTS[layout]

@@ -179,10 +179,10 @@ def test_docs_target_section_is_the_rendering_of_the_results():
       assert row["half_flops_share"] == 1.0, (row["model"], row["config"])
 
 
-def _smoke(script):
+def _smoke(script, *args):
   """Runs ``benchmarks/<script> --smoke`` on CPU; its completed process, having succeeded."""
   proc = subprocess.run(
-    [sys.executable, str(ROOT / "benchmarks" / script), "--smoke"],
+    [sys.executable, str(ROOT / "benchmarks" / script), "--smoke", *args],
     capture_output=True,
     text=True,
     cwd=ROOT,
@@ -205,11 +205,12 @@ def test_loss_scale_kernels_smoke():
 
 
 @needs_plugin
-def test_fp8_recipes_smoke():
+def test_fp8_recipes_smoke(tmp_path):
   """``fp8_recipes.py --smoke``: each recipe's GEMMs are float8 on its GPU (blockwise: bfloat16
   on the H100, reported lost), SQNR above 20 dB."""
-  proc = _smoke("fp8_recipes.py")
-  report = json.loads((ROOT / "benchmarks" / "results" / "fp8_recipes_smoke.json").read_text())
+  out = tmp_path / "fp8_recipes_smoke.json"
+  proc = _smoke("fp8_recipes.py", "--out", str(out))
+  report = json.loads(out.read_text())
   assert [r["policy"] for r in report["rows"]] == [
     "mixed_float8",
     "mixed_float8_delayed",

@@ -309,8 +309,8 @@ def audit(
   With ``target="h100"`` (``"h200"``, ``"a100"``, ``"b200"``, ``"l4"``;
   ``"h100x8"`` for 8 GPUs, ``"2xh100x8"`` for 2 hosts of 8) the step is
   compiled, not run, for that GPU on this machine, which needs no GPU but jax's
-  CUDA plugin (``pip install "mpx-mixed-precision[gpu-target]"``) and
-  ``JAX_PLATFORMS=cpu`` on a machine without an NVIDIA driver; the result is
+  CUDA plugin (``python -m mpx.gpu_target`` installs it where plain jax programs
+  do not load it, and mpx loads it for the compile); the result is
   a ``TargetReport`` of the optimised GPU program: each GEMM and convolution
   kernel with its backend and the dtypes it multiplies, ``half_flops_share``
   and ``fp8_flops_share`` of that program, ``memory`` (XLA's buffer
@@ -376,8 +376,8 @@ def audit(
     An :class:`AuditReport`; with a ``target``, a ``TargetReport``.
 
   Raises:
-    ConfigError: an unknown target, jax's CUDA plugin missing, or jax unable
-      to build a CUDA topology (set ``JAX_PLATFORMS=cpu``).
+    ConfigError: an unknown target, or jax's CUDA plugin missing (the message
+      gives the command that installs it).
 
   Example:
     >>> import jax.numpy as jnp

@@ -1,8 +1,9 @@
 """GPU targets to compile for without a GPU: the device facts and the topology of a named target.
 
-jaxlib's CUDA plugin (``jax-cuda12-plugin``, the same version as jax) builds
-XLA:GPU programs on a machine without an NVIDIA driver ("deviceless AOT") from
-a description of the device, a ``GpuTargetConfigProto`` in text form. The
+jax's CUDA plugin (``jax-cuda12-plugin``, the same version as jax; see
+:mod:`mpx._src.audit.toolchain`) builds XLA:GPU programs on a machine without an
+NVIDIA driver ("deviceless AOT") from a description of the device, a
+``GpuTargetConfigProto`` in text form. The
 files in ``targets/`` hold the public facts of each GPU (SM count, memory,
 bandwidth, compute capability), taken from XLA's own target specs
 (``xla/backends/gpu/target_config/specs``) or NVIDIA's datasheets.
@@ -11,14 +12,14 @@ bandwidth, compute capability), taken from XLA's own target specs
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import pathlib
 import re
 from typing import Any
 
 from mpx._src import errors
+from mpx._src.audit import toolchain
 
-INSTALL_LINE = 'pip install "mpx-mixed-precision[gpu-target]"'
+INSTALL_LINE = toolchain.COMMAND
 _SPECS = pathlib.Path(__file__).resolve().parent / "targets"
 GPUS = ("h100", "h200", "a100", "b200", "l4")
 # "h100", "h100x8" (8 GPUs on one host), "2xh100x8" (2 hosts of 8).
@@ -110,15 +111,23 @@ def spec_text(gpu: str) -> str:
 
 
 def plugin_available() -> bool:
-  """Whether jax's CUDA plugin, which compiles for NVIDIA GPUs, is installed."""
-  try:
-    return importlib.util.find_spec("jax_plugins.xla_cuda12") is not None
-  except ModuleNotFoundError:  # no jax plugin at all
-    return False
+  """Whether jax's CUDA plugin, which compiles for NVIDIA GPUs, is installed (anywhere mpx looks)."""
+  return toolchain.available()
+
+
+def _topology(target: Target) -> Any:
+  from jax.experimental import topologies
+
+  return topologies.get_topology_desc(
+    platform="cuda", target_config=spec_text(target.gpu), topology=target.topology
+  )
 
 
 def devices(target: Target) -> list[Any]:
   """Returns the (deviceless) CUDA devices of a target, to make a mesh of.
+
+  Loads jax's CUDA plugin first where jax has not (see
+  :mod:`mpx._src.audit.toolchain`): no environment variable is needed.
 
   Args:
     target: the target.
@@ -127,25 +136,18 @@ def devices(target: Target) -> list[Any]:
     ``target.num_devices`` devices, host-major.
 
   Raises:
-    ConfigError: the CUDA plugin is missing, or jax cannot build a CUDA
-      topology in this process (its CUDA backend failed to start).
+    ConfigError: the CUDA plugin is missing (the message says how to install
+      it), or it is installed and jax still cannot build a CUDA topology.
   """
-  if not plugin_available():
-    raise errors.ConfigError(
-      f"Compiling for the GPU target {target} needs jax's CUDA plugin, of the same version "
-      f"as jax; install it with: {INSTALL_LINE} (no NVIDIA driver or GPU is needed)."
-    )
-  from jax.experimental import topologies
-
   try:
-    topology = topologies.get_topology_desc(
-      platform="cuda", target_config=spec_text(target.gpu), topology=target.topology
-    )
+    return list(_topology(target).devices)
+  except NotImplementedError:
+    toolchain.load()
+  try:
+    return list(_topology(target).devices)
   except NotImplementedError as e:
     raise errors.ConfigError(
-      f"jax cannot build a CUDA topology for the GPU target {target} in this process: its "
-      "CUDA plugin did not start (on a machine without an NVIDIA driver it fails its CUDA "
-      "version check). Set JAX_PLATFORMS=cpu (or JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1) in the "
-      "environment before jax starts, e.g. `JAX_PLATFORMS=cpu python train.py`."
+      f"jax's CUDA plugin is installed and loaded, yet jax cannot build a CUDA topology for the "
+      f"GPU target {target} ({e}). Is the plugin of the same version as jax? Reinstall it with "
+      f"`{toolchain.COMMAND}`."
     ) from e
-  return list(topology.devices)

@@ -58,7 +58,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+_FAST_CASES = ("3x3-stride2", "uneven-pads-dilated")  # the phases; the dilated form
+
+
+@pytest.mark.parametrize(
+  "case",
+  [
+    pytest.param(case, id=name, marks=() if name in _FAST_CASES else (pytest.mark.slow,))
+    for name, case in CASES.items()
+  ],
+)
 def test_forward_and_both_gradients_are_float64_convolutions_of_the_float8_roundings(case):
   x_shape, w_shape, strides, padding, dilation, dims = case
   rng = np.random.default_rng(0)
@@ -148,7 +157,7 @@ def _sqnr(x, reference) -> float:
   return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))
 
 
-@pytest.mark.parametrize("scaling", ["current", "delayed"])
+@pytest.mark.parametrize("scaling", ["current", pytest.param("delayed", marks=pytest.mark.slow)])
 def test_outputs_and_gradients_reach_20_db_on_tensors_with_outliers(scaling):
   # torchao's criterion, on a CNN's tensors: a few images and a few channels far larger
   # than the rest in the activations, a few images in the gradient.
@@ -323,7 +332,7 @@ def test_nnx_delayed_histories_record_the_amaxes():
   assert float(seen["proj"]["conv_general_dilated"]["grad"][...][0]) > 0
 
 
-@pytest.mark.parametrize("keep", ["weight_grad", "all"])
+@pytest.mark.parametrize("keep", ["all", pytest.param("weight_grad", marks=pytest.mark.slow)])
 def test_kept_backward_products_multiply_the_dequantised_operands(keep):
   rng = np.random.default_rng(5)
   x = jnp.asarray(rng.standard_normal((2, 8, 8, 16)), jnp.bfloat16)

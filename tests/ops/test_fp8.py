@@ -607,10 +607,15 @@ def test_an_empty_batch_runs_every_recipe_and_records_nothing(scaling):
   if recipe.delayed:
     assert [float(o[0]) for o in observed] == [0.0, 0.5, 0.0]
     after = mpx.fp8.update_fp8_state(before, observed)
-    np.testing.assert_array_equal(np.asarray(after[0]), before[0])  # nothing to record
+    # The empty tensors' zero amax is recorded, and the next step's scales do not see it.
+    np.testing.assert_array_equal(np.asarray(after[0]), [0.0, 0.0, 5.0])
     np.testing.assert_array_equal(np.asarray(after[1]), [0.0, 0.5, 1.0])  # the weight's amax
-    np.testing.assert_array_equal(np.asarray(after[2]), before[2])
-    assert empty[0].shape == before[0].shape
+    for reduction in ("max", "most_recent"):
+      r = dataclasses.replace(recipe, reduction=reduction)
+      for old, new in ((before[0], after[0]), (before[2], after[2])):
+        old_scale = fp8_scaling.history_scale(old, quantize_lib.E4M3, r)
+        assert float(fp8_scaling.history_scale(new, quantize_lib.E4M3, r)) == float(old_scale)
+    assert float(fp8_scaling.history_scale(empty[0], quantize_lib.E4M3, recipe)) == 1.0
 
 
 @pytest.mark.parametrize("commit", all_but([True, False], True))
@@ -1063,7 +1068,8 @@ def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
   assert any(float(h[1]) > 0 for h in jax.tree.leaves(restored))
 
 
-@pytest.mark.parametrize("attention", all_but([True, False], True))
+@pytest.mark.slow  # a whole train step; the adapters' float8 coverage is pinned above
+@pytest.mark.parametrize("attention", [True, False])
 def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
   from mpx.demo import DEFAULT_SETTINGS as DEFAULT
   from mpx.demo import CharTransformer

@@ -137,7 +137,7 @@ def test_mxfp8_runs_block_scaled_float8_gemms_on_a_b200():
 
 
 @pytest.mark.parametrize(
-  "policy", all_but(["mixed_mxfp8", "mixed_float8_blockwise"], "mixed_mxfp8")
+  "policy", all_but(["mixed_mxfp8", "mixed_float8_blockwise"], "mixed_float8_blockwise")
 )
 def test_block_scaled_recipes_on_an_h100_are_reported_as_bfloat16(policy):
   # Hopper has no block-scaled MMA: XLA dequantises the blocks and multiplies bfloat16

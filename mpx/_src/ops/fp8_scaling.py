@@ -64,26 +64,32 @@ def init_history(recipe: Fp8Recipe, *, batch_shape: Sequence[int] = ()) -> jax.A
   return jnp.zeros((*batch_shape, recipe.history_length + 1), jnp.float32)
 
 
-def _max_of_last_axis(x: jax.Array) -> jax.Array:
-  """``jnp.max(x, axis=-1)`` as a tree of elementwise maxima of halves.
+def _reduce_last_axis(x: jax.Array, combine: Any) -> jax.Array:
+  """``x`` reduced along its last axis by ``combine`` of neighbours, in order, with 0 as identity.
 
   A ``reduce`` is a kernel of its own on a GPU, and the scale it feeds would
-  be another; elementwise maxima of slices fuse with the scale's arithmetic
-  into one small kernel per history (a few levels for any history length).
+  be another; ``combine`` of slices fuses with the scale's arithmetic into one
+  small kernel per history (a few levels for any history length).
   """
   while x.shape[-1] > 1:
     if x.shape[-1] % 2:
-      x = jnp.concatenate([x, x[..., -1:]], axis=-1)
-    half = x.shape[-1] // 2
-    x = jnp.maximum(x[..., :half], x[..., half:])
+      x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+    x = combine(x[..., 0::2], x[..., 1::2])
   return x[..., 0]
+
+
+def _most_recent_recorded(newer: jax.Array, older: jax.Array) -> jax.Array:
+  # A zero entry is a step that saw no element (an empty batch) or only zeros.
+  return jnp.where(newer > 0, newer, older)
 
 
 def history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
   """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while nothing is committed.
 
   It depends on the history alone, never on the tensor being quantised, so
-  the quantisation need not wait for that tensor's amax.
+  the quantisation need not wait for that tensor's amax. Zero entries (steps
+  that saw an empty or all-zero tensor) do not count: ``most_recent`` takes
+  the most recent non-zero amax.
 
   Args:
     history: one history, or histories stacked along leading axes.
@@ -94,7 +100,8 @@ def history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Arra
     The float32 scale, one per history.
   """
   committed = as_float32(history)[..., 1:]
-  reference = _max_of_last_axis(committed) if recipe.reduction == "max" else committed[..., 0]
+  combine = jnp.maximum if recipe.reduction == "max" else _most_recent_recorded
+  reference = _reduce_last_axis(committed, combine)
   return scale_for(reference, dtype, margin=recipe.margin)
 
 

@@ -23,10 +23,7 @@ def _update_history(history: jax.Array, observed: jax.Array, commit: jax.Array) 
   # A non-finite amax (an overflow the loss scale will skip) would make every delayed
   # scale built on it fall back to 1 for history_length steps.
   pending = jnp.where(jnp.isfinite(seen), jnp.maximum(history[..., :1], seen), history[..., :1])
-  rolled = jnp.concatenate([jnp.zeros_like(pending), pending, history[..., 1:-1]], axis=-1)
-  # Nothing seen since the last commit (an empty batch, an all-zero tensor): nothing to
-  # record. A zero entry would make reduction="most_recent" fall back to scale 1.
-  committed = jnp.where(pending > 0, rolled, history)
+  committed = jnp.concatenate([jnp.zeros_like(pending), pending, history[..., 1:-1]], axis=-1)
   return jnp.where(commit, committed, history.at[..., :1].set(pending))
 
 
@@ -45,9 +42,10 @@ def update_fp8_state(
   batch would have seen), not the last one; non-finite amaxes are left out.
   With ``commit`` the pending amax becomes the most recent entry, the others
   move down one place, the oldest drops and the pending slot is reset to
-  zero; unless the pending amax is zero (the tensor was empty, as in the last
-  batch of a sharded epoch, or all zeros, which any scale represents): then
-  the history stays as it is.
+  zero. A zero amax (an empty tensor, as in the last batch of a sharded epoch,
+  or an all-zero one, which any scale represents) is recorded like any other;
+  the scale ignores zero entries (``reduction="most_recent"`` takes the most
+  recent non-zero one).
 
   Pass ``opt_state``, the optimizer state ``tx.update`` just returned: it
   says whether this step ends an ``optax.MultiSteps`` accumulation (commit)

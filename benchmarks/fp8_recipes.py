@@ -154,8 +154,11 @@ def sqnr_row(policy: str, size: int) -> dict:
   recipe = mpx.get_policy(policy).fp8
   dims = (((1,), (0,)), ((), ()))
   histories = None
-  if recipe.delayed:  # the first step: an empty history takes the current amax
-    histories = tuple(jnp.zeros(recipe.history_length + 1, jnp.float32) for _ in range(3))
+  if recipe.delayed:  # the steady state: histories that recorded these tensors' amaxes
+    histories = tuple(
+      jnp.zeros(recipe.history_length + 1, jnp.float32).at[1].set(np.abs(t).max())
+      for t in (x, w, g)
+    )
 
   def fp8(a, b):
     a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)

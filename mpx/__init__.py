@@ -7,8 +7,9 @@ half-precision arithmetic accumulated in float32.
 The Flax integrations are the submodules :mod:`mpx.linen` and :mod:`mpx.nnx`,
 imported on first use: ``import mpx`` does not import Flax. The precision
 diagnostics (histograms, range reports, plots) are :mod:`mpx.diagnostics` and
-the float8 building blocks :mod:`mpx.fp8` and the sharded-training helpers
-:mod:`mpx.parallel`, also imported on first use.
+the float8 building blocks :mod:`mpx.fp8`, the sharded-training helpers
+:mod:`mpx.parallel` and the half-precision losses :mod:`mpx.losses`, also
+imported on first use.
 """
 
 import importlib as _importlib
@@ -16,8 +17,6 @@ import typing as _typing
 import warnings as _warnings
 
 from mpx._src.adapters.keep import KeepRules as KeepRules
-from mpx._src.audit.ops import MatmulOp as MatmulOp
-from mpx._src.audit.report import AuditReport as AuditReport
 from mpx._src.audit.report import audit as audit
 from mpx._src.casting import cast_tree as cast_tree
 from mpx._src.errors import ConfigError as ConfigError
@@ -28,8 +27,8 @@ from mpx._src.errors import PolicyError as PolicyError
 from mpx._src.errors import PrecisionWarning as PrecisionWarning
 from mpx._src.errors import StateError as StateError
 from mpx._src.errors import TreeStructureError as TreeStructureError
+from mpx._src.ops.attention import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import accumulate_in_float32 as accumulate_in_float32
-from mpx._src.ops.kernels import dot_product_attention as dot_product_attention
 from mpx._src.ops.kernels import softmax as softmax
 from mpx._src.optim.kahan import KahanState as KahanState
 from mpx._src.optim.kahan import with_kahan_summation as with_kahan_summation
@@ -52,7 +51,6 @@ from mpx._src.scaling.state import LossScaleState as LossScaleState
 from mpx._src.scaling.state import get_loss_scale as get_loss_scale
 from mpx._src.scaling.train_step import check_loss_scale as check_loss_scale
 from mpx._src.scaling.train_step import loss_scale_metrics as loss_scale_metrics
-from mpx._src.scaling.train_step import nonfinite_gradient_paths as nonfinite_gradient_paths
 from mpx._src.scaling.train_step import scale as scale
 from mpx._src.scaling.train_step import unscale as unscale
 from mpx._src.scaling.train_step import value_and_grad as value_and_grad
@@ -64,12 +62,13 @@ if _typing.TYPE_CHECKING:
   from mpx import diagnostics as diagnostics
   from mpx import fp8 as fp8
   from mpx import linen as linen
+  from mpx import losses as losses
   from mpx import nnx as nnx
   from mpx import parallel as parallel
 
 __version__ = "0.1.0"
 
-_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "nnx", "parallel")
+_LAZY_SUBMODULES = ("diagnostics", "fp8", "linen", "losses", "nnx", "parallel")
 
 # Names that moved to a namespace after 0.1.0: old top-level name -> namespace. They
 # still resolve, with a DeprecationWarning, for one release.
@@ -77,11 +76,14 @@ _MOVED = {
   **dict.fromkeys(
     (
       "ActivationStats",
+      "AuditReport",
       "MagnitudeHistogram",
+      "MatmulOp",
       "NonfiniteReport",
       "RangeReport",
       "ScaleRecommendation",
       "magnitude_histogram",
+      "nonfinite_gradient_paths",
       "plot_flushed_heatmap",
       "plot_loss_scale",
       "plot_magnitude_histogram",
@@ -100,10 +102,10 @@ _MOVED = {
     ),
     "fp8",
   ),
+  **dict.fromkeys(("all_gather_params", "all_reduce_gradients", "state_shardings"), "parallel"),
 }
 
 __all__ = (
-  "AuditReport",
   "ConfigError",
   "Fp8Recipe",
   "KahanState",
@@ -112,7 +114,6 @@ __all__ = (
   "LossScaleDivergedError",
   "LossScaleState",
   "MasterParamsState",
-  "MatmulOp",
   "MpxError",
   "Policy",
   "PolicyError",
@@ -138,10 +139,10 @@ __all__ = (
   "get_policy",
   "linen",
   "loss_scale_metrics",
+  "losses",
   "mixed_precision",
   "nnx",
   "no_loss_scale",
-  "nonfinite_gradient_paths",
   "parallel",
   "scale",
   "softmax",

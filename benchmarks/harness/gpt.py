@@ -15,11 +15,19 @@ Two benchmarks train it:
   (3,454,464 params in 69 leaves), written for float16 by hand: ``dtype``
   float16 for the matmuls, ``residual_dtype`` float32 for the residual stream,
   the norms and the logits.
+
+With ``is_causal=True`` the attention is told it is causal instead of being
+given a causal mask array, as mpx's fused attention needs (a mask array is
+applied as given; cuDNN's causal mode cannot know the array is causal):
+linen's attention layer gets ``attention_fn=functools.partial(
+mpx.dot_product_attention, is_causal=True)`` (linen passes no ``is_causal``),
+NNX's is called with ``is_causal=True``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -27,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+import mpx
 
 Dtype = Any
 
@@ -75,11 +85,14 @@ class Block(nn.Module):
     dtype: compute dtype of the layers (``None``: Flax's default, the params').
     residual_dtype: if set, the residual stream and the norms stay in this
       dtype while the matmuls run in ``dtype``.
+    is_causal: tell the attention it is causal (mpx's attention with
+      ``is_causal=True``) instead of passing a causal mask array.
   """
 
   config: GPTConfig
   dtype: Dtype = None
   residual_dtype: Dtype = None
+  is_causal: bool = False
 
   def _norm(self, x: jax.Array) -> jax.Array:
     """A layer norm; with ``residual_dtype`` set, computed in it and cast to ``dtype`` once."""
@@ -90,9 +103,13 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
     h = self._norm(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=self.dtype)(h, mask=mask)
+    if self.is_causal:
+      causal = functools.partial(mpx.dot_product_attention, is_causal=True)
+      h = nn.MultiHeadDotProductAttention(cfg.num_heads, self.dtype, attention_fn=causal)(h)
+    else:
+      mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+      h = nn.MultiHeadDotProductAttention(num_heads=cfg.num_heads, dtype=self.dtype)(h, mask=mask)
     x = x + _cast(h, self.residual_dtype)
     h = self._norm(x)
     h = nn.Dense(4 * cfg.d_model, dtype=self.dtype)(h)
@@ -106,6 +123,7 @@ class GPT(nn.Module):
   config: GPTConfig
   dtype: Dtype = None
   residual_dtype: Dtype = None
+  is_causal: bool = False
 
   @nn.compact
   def __call__(self, tokens: jax.Array) -> jax.Array:
@@ -118,7 +136,7 @@ class GPT(nn.Module):
     else:  # sliced, not gathered: the program docs/benchmarks.md measured, op for op
       x = embed(tokens).astype(self.residual_dtype) + positions.embedding[: tokens.shape[1]]
     for _ in range(cfg.num_layers):
-      x = Block(cfg, self.dtype, self.residual_dtype)(x)
+      x = Block(cfg, self.dtype, self.residual_dtype, self.is_causal)(x)
     x = nn.LayerNorm(epsilon=1e-5, dtype=norm_dtype, name="ln_f")(x)
     if cfg.tied_head:
       return _cast(embed.attend(x), self.residual_dtype)
@@ -130,10 +148,13 @@ class GPT(nn.Module):
 
 
 class NnxBlock(nnx.Module):
-  """The linen :class:`Block` in NNX (``dtype`` only)."""
+  """The linen :class:`Block` in NNX (``dtype`` and ``is_causal`` only)."""
 
-  def __init__(self, config: GPTConfig, *, dtype: Dtype = None, rngs: nnx.Rngs):
+  def __init__(
+    self, config: GPTConfig, *, dtype: Dtype = None, is_causal: bool = False, rngs: nnx.Rngs
+  ):
     d = config.d_model
+    self.is_causal = is_causal
     self.ln_1 = nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, rngs=rngs)
     self.attn = nnx.MultiHeadAttention(config.num_heads, d, decode=False, dtype=dtype, rngs=rngs)
     self.ln_2 = nnx.LayerNorm(d, epsilon=1e-5, dtype=dtype, rngs=rngs)
@@ -141,21 +162,29 @@ class NnxBlock(nnx.Module):
     self.proj = nnx.Linear(4 * d, d, dtype=dtype, rngs=rngs)
 
   def __call__(self, x: jax.Array) -> jax.Array:
-    mask = nnx.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
-    x = x + self.attn(self.ln_1(x), mask=mask)
+    if self.is_causal:
+      x = x + self.attn(self.ln_1(x), is_causal=True)
+    else:
+      mask = nnx.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+      x = x + self.attn(self.ln_1(x), mask=mask)
     return x + self.proj(nnx.gelu(self.fc(self.ln_2(x))))
 
 
 class NnxGPT(nnx.Module):
-  """The linen :class:`GPT` in NNX, with the tied head (``dtype`` only)."""
+  """The linen :class:`GPT` in NNX, with the tied head (``dtype`` and ``is_causal`` only)."""
 
-  def __init__(self, config: GPTConfig, *, dtype: Dtype = None, rngs: nnx.Rngs):
+  def __init__(
+    self, config: GPTConfig, *, dtype: Dtype = None, is_causal: bool = False, rngs: nnx.Rngs
+  ):
     if not config.tied_head:
       raise ValueError("NnxGPT has GPT-2's tied head only; pass a GPTConfig with tied_head=True.")
     self.wte = nnx.Embed(config.vocab_size, config.d_model, dtype=dtype, rngs=rngs)
     self.wpe = nnx.Embed(config.max_len, config.d_model, dtype=dtype, rngs=rngs)
     self.blocks = nnx.List(
-      [NnxBlock(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)]
+      [
+        NnxBlock(config, dtype=dtype, is_causal=is_causal, rngs=rngs)
+        for _ in range(config.num_layers)
+      ]
     )
     self.ln_f = nnx.LayerNorm(config.d_model, epsilon=1e-5, dtype=dtype, rngs=rngs)
 

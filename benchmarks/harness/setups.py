@@ -23,7 +23,16 @@ configuration. The models are written without any precision argument
   state; the delayed recipe's histories are left to ``fp8_recipes.py``);
 * ``jmp_f16``: jmp's ``params=float32,compute=float16,output=float32``
   policy applied by hand (params and inputs cast before ``apply``) with
-  ``jmp.DynamicLossScale``.
+  ``jmp.DynamicLossScale``;
+* what mpx offers beyond a policy, for GPT-2 (the model's code changes by one
+  line, so these are not the model as written): ``mpx_bf16_flash``,
+  ``mpx_bf16`` with the attention told it is causal (``is_causal=True``, no
+  mask array: cuDNN's fused attention on a GPU); ``mpx_bf16_half_xent``,
+  bfloat16 logits (``output=bfloat16``) into
+  ``mpx.losses.softmax_cross_entropy_with_integer_labels`` (no float32
+  logits); ``mpx_bf16_flash_xent`` both, and ``mpx_f16_flash_xent`` both in
+  float16 with dynamic loss scaling. ResNet-50 has no attention: there the
+  ``flash`` part changes nothing and ``half_xent`` is the loss alone.
 """
 
 from __future__ import annotations
@@ -57,6 +66,11 @@ CONFIGS: dict[str, str] = {
   "jmp_f16": "jmp policy params=float32,compute=float16,output=float32 + jmp.DynamicLossScale",
   "mpx_fp8": "mpx mixed_float8 (float8 GEMMs, current scaling, per tensor)",
   "mpx_fp8_rowwise": "mpx mixed_float8_rowwise (float8 GEMMs, per-row / per-column scales)",
+  "mpx_bf16_flash": "mpx mixed_bfloat16, attention passed is_causal (cuDNN flash attention)",
+  "mpx_bf16_half_xent": "mpx mixed_bfloat16 with bfloat16 logits into mpx.losses' cross-entropy",
+  "mpx_bf16_flash_xent": "mpx mixed_bfloat16, flash attention and bfloat16 logits into mpx.losses",
+  "mpx_f16_flash_xent": "mpx mixed_float16, flash attention, float16 logits into mpx.losses, "
+  "dynamic loss scaling",
 }
 MODELS: dict[str, str] = {
   "gpt2_linen": "GPT-2 small (linen)",
@@ -73,6 +87,10 @@ MIXED = (
   "jmp_f16",
   "mpx_fp8",
   "mpx_fp8_rowwise",
+  "mpx_bf16_flash",
+  "mpx_bf16_half_xent",
+  "mpx_bf16_flash_xent",
+  "mpx_f16_flash_xent",
 )
 _MPX_POLICIES = {
   "mpx_bf16": "mixed_bfloat16",
@@ -81,7 +99,15 @@ _MPX_POLICIES = {
   "mpx_f16_masters": "params=float16,compute=float16,output=float32",
   "mpx_fp8": "mixed_float8",
   "mpx_fp8_rowwise": "mixed_float8_rowwise",
+  "mpx_bf16_flash": "mixed_bfloat16",
+  "mpx_bf16_half_xent": "params=float32,compute=bfloat16,output=bfloat16",
+  "mpx_bf16_flash_xent": "params=float32,compute=bfloat16,output=bfloat16",
+  "mpx_f16_flash_xent": "params=float32,compute=float16,output=float16",
 }
+#: Configurations whose GPT-2 tells its attention it is causal instead of passing a mask array.
+_IS_CAUSAL = ("mpx_bf16_flash", "mpx_bf16_flash_xent", "mpx_f16_flash_xent")
+#: Configurations whose loss takes the half-precision logits (mpx.losses).
+_HALF_XENT = ("mpx_bf16_half_xent", "mpx_bf16_flash_xent", "mpx_f16_flash_xent")
 _JMP_POLICY = "params=float32,compute=float16,output=float32"
 LEARNING_RATE = 1e-4
 INITIAL_LOSS_SCALE = 2.0**15
@@ -120,15 +146,19 @@ def _xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
   return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
 
 
+def _half_xent(logits: jax.Array, labels: jax.Array) -> jax.Array:
+  return mpx.losses.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+
 # ------------------------------------------------------------------ the models
 
 
 Apply = Callable[[PyTree, PyTree, jax.Array], tuple[jax.Array, PyTree]]
 
 
-def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
-  module: Any = gpt.GPT(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
+def _gpt2_linen(config: str, cfg: gpt.GPTConfig, rules: mpx.KeepRules | None):
+  dtype = jnp.bfloat16 if config == "bf16_flax" else None
+  module: Any = gpt.GPT(cfg, dtype=dtype, is_causal=config in _IS_CAUSAL)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
   batch = gpt.make_batch(cfg)
@@ -142,12 +172,11 @@ def _gpt2_linen(config: str, smoke: bool, rules: mpx.KeepRules | None):
   return init, apply, batch
 
 
-def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = gpt.GPTConfig.smoke() if smoke else gpt.GPTConfig()
+def _gpt2_nnx(config: str, cfg: gpt.GPTConfig, rules: mpx.KeepRules | None):
   dtype = jnp.bfloat16 if config == "bf16_flax" else None
 
   def build():
-    model = gpt.NnxGPT(cfg, dtype=dtype, rngs=nnx.Rngs(0))
+    model = gpt.NnxGPT(cfg, dtype=dtype, is_causal=config in _IS_CAUSAL, rngs=nnx.Rngs(0))
     if config in _MPX_POLICIES:
       model = mpx.nnx.apply_policy(model, _MPX_POLICIES[config], rules=rules)
     return model
@@ -166,8 +195,7 @@ def _gpt2_nnx(config: str, smoke: bool, rules: mpx.KeepRules | None):
   return init, apply, gpt.make_batch(cfg)
 
 
-def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
-  cfg = resnet50.ResNetConfig.smoke() if smoke else resnet50.ResNetConfig()
+def _resnet50_model(config: str, cfg: resnet50.ResNetConfig, rules: mpx.KeepRules | None):
   module: Any = resnet50.ResNet50(cfg, dtype=jnp.bfloat16 if config == "bf16_flax" else None)
   if config in _MPX_POLICIES:
     module = mpx.linen.apply_policy(module, _MPX_POLICIES[config], rules=rules)
@@ -185,6 +213,11 @@ def _resnet50_model(config: str, smoke: bool, rules: mpx.KeepRules | None):
 
 
 _MODELS = {"gpt2_linen": _gpt2_linen, "gpt2_nnx": _gpt2_nnx, "resnet50": _resnet50_model}
+_SHAPES = {
+  "gpt2_linen": gpt.GPTConfig,
+  "gpt2_nnx": gpt.GPTConfig,
+  "resnet50": resnet50.ResNetConfig,
+}
 
 
 # ---------------------------------------------------------------- the steps
@@ -238,7 +271,14 @@ def _jmp_step(loss_fn, tx):
   return step, init_opt
 
 
-def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") -> Setup:
+def build(
+  model: str,
+  config: str,
+  *,
+  smoke: bool,
+  loss_scale: Any = "dynamic",
+  batch_size: int | None = None,
+) -> Setup:
   """Returns the :class:`Setup` of ``model`` under ``config``.
 
   Args:
@@ -247,6 +287,7 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
     smoke: the small version of the model (``GPTConfig.smoke()``...).
     loss_scale: for the mpx configurations, ``mpx.mixed_precision``'s
       ``loss_scale`` (``None`` times a float16 step without loss scaling).
+    batch_size: the batch, if not the model's default (``ResNetConfig``: 64).
 
   Returns:
     The setup.
@@ -254,7 +295,10 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
   if config not in CONFIGS or model not in MODELS:
     raise ValueError(f"unknown model/config {model}/{config}: pick from {MODELS} and {CONFIGS}")
   rules = mpx.KeepRules(lean_norms=False) if config == "mpx_bf16_flax_norms" else None
-  init, apply, batch = _MODELS[model](config, smoke, rules)
+  shape = _SHAPES[model].smoke() if smoke else _SHAPES[model]()
+  if batch_size is not None:
+    shape = dataclasses.replace(shape, batch_size=batch_size)
+  init, apply, batch = _MODELS[model](config, shape, rules)
   tx = optax.adamw(LEARNING_RATE, weight_decay=0.01)
   jmp_policy = jmp.get_policy(_JMP_POLICY)
 
@@ -265,7 +309,7 @@ def build(model: str, config: str, *, smoke: bool, loss_scale: Any = "dynamic") 
       logits, state = apply(params, state, x)
       return _xent(jmp_policy.cast_to_output(logits), batch["y"]), state
     logits, state = apply(params, state, x)
-    return _xent(logits, batch["y"]), state
+    return (_half_xent if config in _HALF_XENT else _xent)(logits, batch["y"]), state
 
   if config in _MPX_POLICIES:
     mixed = mpx.mixed_precision(tx, _MPX_POLICIES[config], loss_scale=loss_scale)

@@ -167,39 +167,6 @@ def all_reduce_gradients(
   return jax.tree.map(lambda s, g: s.astype(g.dtype), summed, grads)
 
 
-def _param_like(structure: Any, shapes: list[tuple[int, ...]]) -> Any:
-  """The predicate that finds the param-shaped parts of an optimizer state.
-
-  A node is param-shaped when it has the params' structure (a master copy,
-  a moment, a Kahan buffer), or has it down to the params' positions with,
-  at each, ``None`` (the masters of params that need none) or one small
-  container of arrays (a quantised moment's codes and scales), the first of
-  which has its param's shape.
-  """
-
-  def is_param_like(node: Any) -> bool:
-    if structure.num_nodes == 1:  # the params are one array
-      return tree_lib.is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
-    if jax.tree.structure(node) == structure:
-      return True
-    try:
-      parts = structure.flatten_up_to(node)
-    except (ValueError, TypeError):
-      return False
-    for part, shape in zip(parts, shapes, strict=True):
-      if part is None:  # this param has no part here (a float32 param has no master)
-        continue
-      children = jax.tree.leaves(part)
-      nodes = jax.tree.structure(part).num_nodes
-      if nodes not in (1, len(children) + 1):
-        return False  # nested containers: a whole sub-state, not one param's part
-      if not children or getattr(children[0], "shape", None) != shape:
-        return False
-    return True
-
-  return is_param_like
-
-
 def state_shardings(state: Any, params: Any) -> Any:
   """Shardings for an optimizer state that place its param-shaped parts like their params.
 
@@ -212,9 +179,9 @@ def state_shardings(state: Any, params: Any) -> Any:
   same skip decision.
 
   An eager ``tx.init(params)`` on sharded params already places its state
-  this way; under ``jit`` (``jax.jit(tx.init, out_shardings=...)``), under
-  ``jax.eval_shape`` for a deviceless compile, or to restore a checkpoint
-  onto another mesh, use this function for the shardings. Under
+  by the same rule; under ``jit`` (``jax.jit(tx.init, out_shardings=...)``),
+  under ``jax.eval_shape`` for a deviceless compile, or to restore a
+  checkpoint onto another mesh, use this function for the shardings. Under
   ``jax.shard_map`` take their specs:
   ``jax.tree.map(lambda s: s.spec, state_shardings(state, params))``.
 
@@ -254,8 +221,7 @@ def state_shardings(state: Any, params: Any) -> Any:
     >>> shardings.loss_scale.spec  # replicated
     P()
   """
-  flat, structure = jax.tree_util.tree_flatten_with_path(params)
-  mesh = None
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
   for path, leaf in flat:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding):
@@ -265,38 +231,9 @@ def state_shardings(state: Any, params: Any) -> Any:
         "param a NamedSharding first (jax.device_put(params, shardings), or "
         "jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, spec)))."
       )
-    mesh = mesh or sharding.mesh
-  if mesh is None:
+  if not flat:
     raise errors.ConfigError("params has no array leaves: there is nothing to place the state by.")
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  shapes = [tuple(leaf.shape) for _, leaf in flat]
-  is_param_like = _param_like(structure, shapes)
-
-  def like(param: Any, part: Any) -> Any:
-    sharding = param.sharding
-
-    def leaf_sharding(x: Any) -> Any:
-      if tuple(x.shape) == tuple(param.shape):
-        return sharding
-      spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
-      axes = [
-        spec[i] if i < param.ndim and x.shape[i] == param.shape[i] else None
-        for i in range(len(x.shape))
-      ]
-      return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*axes))
-
-    return jax.tree.map(leaf_sharding, part)
-
-  def place(node: Any) -> Any:
-    if is_param_like(node):
-      parts = structure.flatten_up_to(node) if structure.num_nodes > 1 else [node]
-      placed = [like(p, part) for (_, p), part in zip(flat, parts, strict=True)]
-      if structure.num_nodes == 1:
-        return placed[0] if tuple(node.shape) == shapes[0] else replicated
-      return jax.tree.unflatten(structure, placed)
-    return jax.tree.map(lambda _: replicated, node)
-
-  return jax.tree.map(place, state, is_leaf=is_param_like)
+  return tree_lib.shardings_like_params(state, params)
 
 
 def _gathered_dim(spec: Any, axis_name: str, path: str) -> int | None:

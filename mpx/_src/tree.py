@@ -1,8 +1,9 @@
-"""Small pytree utilities shared by every mpx module: leaf paths and checks."""
+"""Small pytree utilities shared by every mpx module: leaf paths, checks, state placement."""
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -63,12 +64,109 @@ def is_floating_array(x: Any) -> bool:
   return is_array(x) and dtypes.is_floating(x.dtype)
 
 
-def _replicated_like(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding | None:
-  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
-    return sharding
+def param_like(params: PyTree) -> Callable[[Any], bool]:
+  """The predicate that finds the param-shaped parts of an optimizer state.
+
+  A node is param-shaped when it has the params' structure (a master copy,
+  a moment, a Kahan buffer), or has it down to the params' positions with,
+  at each, ``None`` (the masters of params that need none) or one small
+  container of arrays (a quantised moment's codes and scales), the first of
+  which has its param's shape. With a single array as params, every array is.
+
+  Args:
+    params: the params, as arrays or ``jax.ShapeDtypeStruct``.
+
+  Returns:
+    ``is_param_like(node)``, for the ``is_leaf`` of a ``jax.tree.map`` over a state.
+  """
+  structure = jax.tree.structure(params)
+  shapes = [tuple(p.shape) for p in jax.tree.leaves(params)]
+
+  def is_param_like(node: Any) -> bool:
+    if structure.num_nodes == 1:  # the params are one array
+      return is_array(node) or isinstance(node, jax.ShapeDtypeStruct)
+    if jax.tree.structure(node) == structure:
+      return True
+    try:
+      parts = structure.flatten_up_to(node)
+    except (ValueError, TypeError):
+      return False
+    for part, shape in zip(parts, shapes, strict=True):
+      if part is None:  # this param has no part here (a float32 param has no master)
+        continue
+      children = jax.tree.leaves(part)
+      nodes = jax.tree.structure(part).num_nodes
+      if nodes not in (1, len(children) + 1):
+        return False  # nested containers: a whole sub-state, not one param's part
+      if not children or getattr(children[0], "shape", None) != shape:
+        return False
+    return True
+
+  return is_param_like
+
+
+def _replicated(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+  """A sharding that replicates an array over the devices of ``sharding``."""
   if isinstance(sharding, jax.sharding.NamedSharding):
     return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
-  return None
+  if len(sharding.device_set) == 1:
+    return jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
+  devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
+  mesh = jax.sharding.Mesh(devices, ("devices",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _like_param(param: Any, x: Any) -> jax.sharding.Sharding:
+  """The sharding of a leaf ``x`` of ``param``'s part of a state.
+
+  A leaf of the param's shape takes its sharding; a smaller one (a quantised
+  moment's per-block scales) keeps the param's mesh axes on its leading axes
+  of the param's size and is replicated elsewhere.
+  """
+  sharding = param.sharding
+  if tuple(x.shape) == tuple(param.shape):
+    return sharding
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return _replicated(sharding)
+  spec = tuple(sharding.spec) + (None,) * (param.ndim - len(sharding.spec))
+  axes = [
+    spec[i] if i < param.ndim and x.shape[i] == param.shape[i] else None
+    for i in range(len(x.shape))
+  ]
+  return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*axes))
+
+
+def shardings_like_params(state: PyTree, params: PyTree) -> PyTree:
+  """Where each leaf of an optimizer state lives: its param-shaped parts like their params.
+
+  The one placement rule of mpx, behind ``mpx.parallel.state_shardings`` and
+  :func:`place_state`. Every leaf of a param-shaped part (:func:`param_like`)
+  follows its param (:func:`_like_param`); every other leaf (counts, the loss
+  scale and its counters, schedule state) is replicated on the devices of the
+  first param, so every device takes the same skip decision.
+
+  Args:
+    state: the optimizer state, as arrays or ``jax.ShapeDtypeStruct``.
+    params: the params it was built for, each with a ``sharding``.
+
+  Returns:
+    A tree of ``jax.sharding.Sharding`` with the structure of ``state``.
+  """
+  flat, structure = jax.tree.flatten(params)
+  replicated = _replicated(flat[0].sharding)
+  is_param_like = param_like(params)
+
+  def place(node: Any) -> Any:
+    if not is_param_like(node):
+      return jax.tree.map(lambda _: replicated, node)
+    parts = structure.flatten_up_to(node) if structure.num_nodes > 1 else [node]
+    placed = [
+      jax.tree.map(lambda x, p=p: _like_param(p, x), part)
+      for p, part in zip(flat, parts, strict=True)
+    ]
+    return jax.tree.unflatten(structure, placed) if structure.num_nodes > 1 else placed[0]
+
+  return jax.tree.map(place, state, is_leaf=is_param_like)
 
 
 def place_state(state: PyTree, params: PyTree) -> PyTree:
@@ -79,14 +177,14 @@ def place_state(state: PyTree, params: PyTree) -> PyTree:
   state with committed and uncommitted leaves side by side (moments placed
   on their params' shardings, counters not) therefore compiles the step
   once for ``init``'s state and again for the state ``update`` returned. The
-  placement follows the params, so one rule serves every case:
+  placement follows the params:
 
   * uncommitted params (``model.init`` outside ``jit``): nothing is placed,
     and every leaf stays uncommitted like them;
-  * committed params: each moment shaped like its param (a node of the
-    params' structure) gets its param's sharding, and every other
-    uncommitted leaf (counts, loss scales) is committed, replicated, to the
-    params' devices, as the step's outputs will be.
+  * committed params: every array leaf is put where
+    :func:`shardings_like_params` says (the rule ``mpx.parallel.state_shardings``
+    gives for ``jit``): the param-shaped parts on their params' shardings,
+    the rest replicated on the params' devices, as the step's outputs will be.
 
   Under ``jit`` or ``eval_shape`` (traced params) the state is returned as it
   is: the caller's ``out_shardings`` place it.
@@ -98,38 +196,21 @@ def place_state(state: PyTree, params: PyTree) -> PyTree:
   Returns:
     ``state`` with the placement described above.
   """
-  leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+  leaves = jax.tree.leaves(params)
   tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-  if not leaves or any(isinstance(p, tracer) for p in leaves):
+  arrays = [x for x in leaves if isinstance(x, jax.Array)]
+  if not arrays or len(arrays) < len(leaves) or any(isinstance(p, tracer) for p in arrays):
     return state
-  if not any(p.committed for p in leaves):
+  if not any(p.committed for p in arrays):
     return state
-  structure = jax.tree.structure(params)
-  replicated = _replicated_like(leaves[0].sharding)
+  shardings = shardings_like_params(state, params)
 
-  def is_param_like(node: Any) -> bool:
-    return structure.num_leaves > 1 and jax.tree.structure(node) == structure
+  def place(s: Any, sharding: Any) -> Any:
+    if not isinstance(s, jax.Array) or isinstance(s, tracer):
+      return s
+    return s if s.committed and s.sharding == sharding else jax.device_put(s, sharding)
 
-  def place_moment(s: Any, p: Any) -> Any:
-    moment = isinstance(s, jax.Array) and isinstance(p, jax.Array) and s.shape == p.shape
-    if not moment or not p.committed:
-      return place_other(s)
-    return s if s.committed and s.sharding == p.sharding else jax.device_put(s, p.sharding)
-
-  def place_other(s: Any) -> Any:
-    if isinstance(s, jax.Array) and not isinstance(s, tracer) and not s.committed:
-      return s if replicated is None else jax.device_put(s, replicated)
-    return s
-
-  return jax.tree.map(
-    lambda node: (
-      jax.tree.map(place_moment, node, params)
-      if is_param_like(node)
-      else jax.tree.map(place_other, node)
-    ),
-    state,
-    is_leaf=is_param_like,
-  )
+  return jax.tree.map(place, state, shardings)
 
 
 def find_nodes(tree: PyTree, cls: type) -> list[tuple[str, Any]]:

@@ -77,9 +77,9 @@ def test_plain_jax_and_a_target_audit_print_nothing_without_an_environment_varia
     report = mpx.audit(jax.grad(lambda w: jnp.sum(x @ w)), jnp.ones((128, 32), jnp.bfloat16),
                        target="h100")
     q = jnp.ones((1, 128, 2, 64), jnp.bfloat16)
-    attention = mpx.audit(
-      jax.grad(lambda q: jax.nn.dot_product_attention(q, q, q, implementation="cudnn").sum()),
-      q, target="h100")
+    loss = lambda q: mpx.dot_product_attention(q, q, q, is_causal=True).sum()
+    jax.grad(loss)(q)  # on the CPU first: cuDNN cannot be traced before the plugin is loaded
+    attention = mpx.audit(jax.grad(loss), q, target="h100")
     print(report.device_kind, sorted({g.backend for g in attention.gemms}))
     """
   )

@@ -125,7 +125,8 @@ def test_linen_step_compiles_once(layout, api):
     @jax.jit
     def step(state, history):
       grads, history = grads_of(state.params, history, state.opt_state)
-      return state.apply_gradients(grads=grads), history
+      with jax.numpy_dtype_promotion("standard"):  # optax: half params + float32 updates
+        return state.apply_gradients(grads=grads), history
 
   for _ in range(3):
     carry = step(*carry)
@@ -144,7 +145,8 @@ def test_nnx_step_compiles_once(layout):
   def step(model, optimizer):
     grads = mpx.value_and_grad(lambda m: _loss(m(x)), optimizer.opt_state, argnums=wrt)(model)[1]
     param_grads, observed = nnx.split_state(grads, nnx.Param, mpx.nnx.Fp8History)
-    optimizer.update(model, param_grads)
+    with jax.numpy_dtype_promotion("standard"):  # optax: half params + float32 updates
+      optimizer.update(model, param_grads)
     history = nnx.state(model, mpx.nnx.Fp8History)
     nnx.update(model, mpx.fp8.update_fp8_state(history, observed))
 

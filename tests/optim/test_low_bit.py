@@ -15,6 +15,7 @@ import numpy as np
 import optax
 import pytest
 from checkpoints import round_trip
+from marks import all_but
 from optax_compat import standard_promotion
 
 import mpx
@@ -242,3 +243,53 @@ def test_orbax_round_trip_resumes_bitwise(fmt, tmp_path):
   chex.assert_trees_all_equal(
     step(restored["params"], restored["opt_state"], 7), step(params, state, 7)
   )
+
+
+@pytest.mark.parametrize(
+  ("fmt", "dtype"),
+  all_but(
+    [(fmt, dtype) for dtype in (jnp.bfloat16, jnp.float16, jnp.float32) for fmt in FORMATS],
+    ("int8", jnp.bfloat16),
+  ),
+)
+def test_half_params_train_resume_and_keep_small_moments_in_float32(fmt, dtype, tmp_path):
+  # torchao's test_optim_smoke and test_optim_default_dtype_bf16 (test/test_low_bit_optim.py)
+  # in JAX: a 32 -> 256 -> 32 MLP in the param dtype, whose biases are under min_size. Issue
+  # 34: their moments stayed in the param dtype at init, and the first update raised.
+  keys = jax.random.split(jax.random.key(0), 5)
+  params = {
+    "w1": jax.random.normal(keys[0], (32, 256)).astype(dtype) / 8,
+    "b1": jnp.zeros(256, dtype),
+    "w2": jax.random.normal(keys[1], (256, 32)).astype(dtype) / 16,
+    "b2": jnp.zeros(32, dtype),
+  }
+  tx = mpx.with_state_dtype(standard_promotion(optax.adam(1e-3)), state_dtype=fmt)
+
+  @jax.jit
+  def step(params, state, x):
+    def loss(p):
+      h = jax.nn.relu(x @ p["w1"] + p["b1"])
+      return jnp.sum((h @ p["w2"] + p["b2"]).astype(jnp.float32))
+
+    updates, state = tx.update(jax.grad(loss)(params), state, params)
+    with jax.numpy_dtype_promotion("standard"):  # float32 updates of half params
+      return optax.apply_updates(params, updates), state
+
+  state = tx.init(params)
+  for moment in (state[0].mu, state[0].nu):
+    assert isinstance(moment["w1"], mpx.QuantizedMoment)
+    assert moment["b1"].dtype == moment["b2"].dtype == jnp.float32
+  params, state = step(params, state, jax.random.normal(keys[2], (4, 32), dtype))
+  name = np.dtype(dtype).name
+  mpx.check_state(state, params, name, master_dtype=None, state_dtype=fmt)
+  target = jax.eval_shape(lambda: {"params": params, "opt_state": tx.init(params)})
+  restored = round_trip(tmp_path, {"params": params, "opt_state": state}, target)
+  resumed = (restored["params"], restored["opt_state"])
+  for key in keys[3:]:
+    x = jax.random.normal(key, (4, 32), dtype)
+    params, state = step(params, state, x)
+    resumed = step(*resumed, x)
+  chex.assert_trees_all_equal(resumed, (params, state))
+  chex.assert_trees_all_equal_dtypes(resumed, (params, state))
+  # Adam ran in float32: float16 gradients squared in float16 made NaN updates.
+  assert all(bool(jnp.isfinite(p).all()) for p in jax.tree.leaves(params))

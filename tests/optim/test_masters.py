@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from marks import all_but
 from optax_compat import standard_promotion
 
 import mpx
@@ -65,8 +66,10 @@ def test_small_updates_are_not_rounded_away(dtype, step, num_steps, target):
   assert _bits(state.master_params["w"]) == _bits(reference)
   assert abs(float(reference) - target) < num_steps * 1e-6  # grad's own rounding
   assert _bits(params["w"]) == _bits(jnp.asarray(reference).astype(dtype))
-  # optax.apply_updates lands on the same weights in this ordinary regime.
-  params_optax, _ = jax.jit(lambda: run(tx, lambda p, u, s: optax.apply_updates(p, u)))()
+  # optax.apply_updates lands on the same weights (under JAX's default promotion: the updates
+  # of half params with masters are float32).
+  with jax.numpy_dtype_promotion("standard"):
+    params_optax, _ = jax.jit(lambda: run(tx, lambda p, u, s: optax.apply_updates(p, u)))()
   assert _bits(params_optax["w"]) == _bits(params["w"])
 
 
@@ -99,7 +102,8 @@ def _random_walk(dtype, seed, num_steps=200, size=512):
     wanted = jnp.clip(jnp.where(jump, value, m * (1 + rel)), -maxval, maxval)
     updates, state = tx.update({"w": m - wanted}, state, {"w": params})
     exact = mpx.apply_updates({"w": params}, updates, state)["w"]
-    via_optax = optax.apply_updates({"w": params}, updates)["w"]
+    with jax.numpy_dtype_promotion("standard"):  # as users call it; strict rejects f16 + f32
+      via_optax = optax.apply_updates({"w": params}, updates)["w"]
     out = (params, exact, via_optax, state.master_params["w"].astype(dtype))
     return (exact, state), out
 
@@ -111,8 +115,14 @@ def _random_walk(dtype, seed, num_steps=200, size=512):
 
 @pytest.mark.parametrize("dtype", HALF)
 def test_apply_updates_is_bitwise_the_cast_master(dtype):
-  _, exact, _, cast_master = _random_walk(dtype, seed=0)
-  np.testing.assert_array_equal(_bits(exact), _bits(cast_master))
+  _, exact, via_optax, cast_master = _random_walk(dtype, seed=0)
+  # Bit for bit but for the sign of a zero: a master below the smallest subnormal rounds to
+  # -0.0, and no sum p + u with p != -0 gives -0.0.
+  nonzero = cast_master != 0
+  np.testing.assert_array_equal(_bits(exact)[nonzero], _bits(cast_master)[nonzero])
+  np.testing.assert_array_equal(exact, cast_master)
+  # optax.apply_updates computes the same sum from the float32 updates, bit for bit.
+  np.testing.assert_array_equal(_bits(via_optax), _bits(exact))
   assert np.isfinite(cast_master.astype(np.float32)).all()
   if dtype == jnp.float16:
     assert (np.abs(cast_master.astype(np.float32)) == 65504).any()
@@ -133,37 +143,65 @@ def test_optax_apply_updates_is_exact_whenever_possible(dtype):
   ratio = cast_master.astype(np.float64) / np.where(old64 == 0, 1, old64)
   sterbenz = (old64 != 0) & (ratio >= 0.5) & (ratio <= 2)  # Sterbenz's lemma
   assert representable[sterbenz].all()
-  # The documented exceptions occur, and there optax cannot land on the master.
+  # The moves a half-precision update cannot make occur (zero crossings, big shrinks,
+  # +-65504), and the float32 update makes them all.
   assert (~representable).sum() > 100
-  assert (via_optax[~representable] != cast_master[~representable]).any()
+  np.testing.assert_array_equal(via_optax, cast_master)
+
+
+# The corner no float32 update reaches: a param that rounded up to 1.0 from a master just below
+# (float32's grid at the param is twice as coarse as at the master), whose master then crosses
+# zero to -(2**-20 + 2**-24), odd in the master's last bit and over 2**13 (float16) or 2**16
+# (bfloat16) times smaller.
+CORNER = {jnp.float16: 1 - 2.0**-12, jnp.bfloat16: 1 - 2.0**-9}
+FAR = -(2.0**-20 + 2.0**-24)
+
+
+def _one_step(old, new, dtype=jnp.float16, master=None):
+  params = {"w": jnp.asarray(old, dtype)}
+  tx = mpx.with_master_params(optax.sgd(1.0))
+  state = tx.init(params)
+  if master is not None:
+    state = state._replace(master_params={"w": jnp.float32(master)})
+  grad = jnp.float32(state.master_params["w"]) - jnp.float32(new)  # exact in these cases
+  updates, state = tx.update({"w": grad}, state, params)
+  assert float(state.master_params["w"]) == new
+  return tx, params, updates, state
 
 
 def test_optax_apply_updates_counterexamples():
+  # Moves a float16 update cannot make land with the float32 update, in both apply calls.
   for old, new in [(65504.0, -65504.0), (1.0, 2.0**-24), (1000.0, 2.0**-14), (4.0, 1.0009765625)]:
-    params = {"w": jnp.asarray(old, jnp.float16)}
-    tx = mpx.with_master_params(optax.sgd(1.0))
-    state = tx.init(params)
-    updates, state = tx.update({"w": jnp.asarray(old - new, jnp.float32)}, state, params)
+    _, params, updates, state = _one_step(old, new)
     assert mpx.apply_updates(params, updates, state)["w"] == jnp.float16(new)
-    assert optax.apply_updates(params, updates)["w"] != jnp.float16(new)
+    with jax.numpy_dtype_promotion("standard"):
+      assert optax.apply_updates(params, updates)["w"] == jnp.float16(new)
+  for dtype, below_one in CORNER.items():
+    _, params, updates, state = _one_step(1.0, FAR, dtype, master=below_one)
+    exact = mpx.apply_updates(params, updates, state)["w"]
+    with jax.numpy_dtype_promotion("standard"):
+      via_optax = optax.apply_updates(params, updates)["w"]
+    assert exact == via_optax == -(2.0**-20) and exact != jnp.asarray(FAR, dtype)
 
 
 def test_optax_apply_updates_corrects_a_counterexample_on_the_next_step():
   # Each update targets the cast master from the params it is given, so the
   # one-step deviation of optax.apply_updates never accumulates, and it stays
   # finite (65504 -> -65504 would otherwise need an update of -inf).
-  for old, new in [(65504.0, -65504.0), (1.0, 2.0**-24), (1000.0, 2.0**-14), (1.0, -0.0)]:
-    params = {"w": jnp.asarray(old, jnp.float16)}
-    tx = mpx.with_master_params(optax.sgd(1.0))
-    state = tx.init(params)
-    updates, state = tx.update({"w": jnp.asarray(old - new, jnp.float32)}, state, params)
-    params = optax.apply_updates(params, updates)
+  cases = [(65504.0, -65504.0, jnp.float16, None), (1.0, 2.0**-24, jnp.float16, None)]
+  cases += [(1000.0, 2.0**-14, jnp.float16, None), (1.0, -0.0, jnp.float16, None)]
+  cases += [(1.0, FAR, dtype, below_one) for dtype, below_one in CORNER.items()]
+  for old, new, dtype, master in cases:
+    tx, params, updates, state = _one_step(old, new, dtype, master)
+    with jax.numpy_dtype_promotion("standard"):
+      params = optax.apply_updates(params, updates)
     assert bool(jnp.isfinite(params["w"]))
     updates, state = tx.update({"w": jnp.zeros((), jnp.float32)}, state, params)
-    params = optax.apply_updates(params, updates)
+    with jax.numpy_dtype_promotion("standard"):
+      params = optax.apply_updates(params, updates)
     assert float(state.master_params["w"]) == new
     # Equal as values: no sum p + u with p != -0 can give -0.0 itself.
-    assert params["w"] == jnp.float16(new)
+    assert params["w"] == jnp.asarray(new, dtype)
 
 
 # ------------------------------------------------------------------ state
@@ -207,7 +245,10 @@ def test_update_keeps_dtypes_and_matches_jit(dtype, use_jit):
   grads["step"] = jnp.zeros((), jnp.int32)
   update = jax.jit(tx.update) if use_jit else tx.update
   updates, new_state = update(grads, state, params)
-  chex.assert_trees_all_equal_dtypes(updates, params)
+  # Params with a master get float32 updates, the others updates of their own dtype.
+  chex.assert_trees_all_equal_dtypes(
+    updates, jax.tree.map(lambda p: p.astype(jnp.float32) if p.dtype in HALF else p, params)
+  )
   chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
   new_params = mpx.apply_updates(params, updates, new_state)
   chex.assert_trees_all_equal_dtypes(new_params, params)
@@ -351,3 +392,53 @@ def test_update_with_another_optimizers_state():
     tx.update(grads, optax.sgd(0.1).init(params), params)
   with pytest.raises(mpx.StateError, match="MasterParamsState, but got a tuple"):
     mpx.with_master_params(optax.sgd(0.1)).update(grads, optax.sgd(0.1).init(params), params)
+
+
+# ------------------------------------------------------------------ the README's train step
+
+
+@pytest.mark.parametrize("dtype", all_but(HALF, jnp.bfloat16))
+def test_the_readme_step_with_optax_apply_updates_is_bitwise_mpx_apply_updates(dtype):
+  # Issue 34: with bfloat16 params and float32 masters, the README's step (optax.apply_updates)
+  # drifted from the mpx.apply_updates run, and params left their masters' rounding.
+  import models
+
+  policy = f"params={np.dtype(dtype).name},compute={np.dtype(dtype).name},output=float32"
+  model = mpx.linen.apply_policy(
+    models.Decoder(features=32, num_heads=2, num_layers=1, mlp_hidden=64, flax_attention=False),
+    policy,
+  )
+  tokens = models.text_tokens()
+  batches = [models.lm_batch(tokens, i, batch_size=4, seq_len=16) for i in range(50)]
+  xs, ys = (jnp.asarray(np.stack(b)) for b in zip(*batches, strict=True))
+  params = model.init(jax.random.key(0), xs[0])["params"]
+  tx = mpx.mixed_precision(standard_promotion(optax.adamw(1e-2)), policy)
+
+  def train_step(params, opt_state, batch, apply):  # the README's, but for the apply call
+    def loss_fn(p):
+      logits = model.apply({"params": p}, batch["x"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+    loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return apply(params, updates, opt_state), opt_state, loss
+
+  def body(carry, batch):  # both runs in one program: one compile
+    (p_optax, s_optax), (p_mpx, s_mpx) = carry
+    with jax.numpy_dtype_promotion("standard"):  # the README's code, as users run it
+      p_optax, s_optax, loss = train_step(
+        p_optax, s_optax, batch, lambda p, u, s: optax.apply_updates(p, u)
+      )
+    p_mpx, s_mpx, _ = train_step(p_mpx, s_mpx, batch, mpx.apply_updates)  # strict promotion
+    return ((p_optax, s_optax), (p_mpx, s_mpx)), loss
+
+  init = (params, tx.init(params))
+  ((via_optax, state), (via_mpx, _)), losses = jax.jit(
+    lambda: jax.lax.scan(body, (init, init), {"x": xs, "y": ys})
+  )()
+  chex.assert_trees_all_equal(via_optax, via_mpx)
+  masters = mpx.get_master_params(state, via_optax)
+  chex.assert_trees_all_equal(
+    via_optax, jax.tree.map(lambda m, p: m.astype(p.dtype), masters, via_optax)
+  )
+  assert float(losses[-1]) < 0.8 * float(losses[0])

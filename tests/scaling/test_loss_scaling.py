@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -815,7 +816,8 @@ def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
   tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=4.0)
   step = _maybe_jit(tx.update, use_jit)
   state = tx.init(params)
-  assert int(state.nonfinite_leaf) == -1 and mpx.nonfinite_gradient_paths(state, params) == []
+  assert int(state.nonfinite_leaf) == -1
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == []
   cases = [
     (("c_big",), 2),
     (("e_small",), 4),
@@ -830,7 +832,7 @@ def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
     _, state = step(_attribution_grads(*bad), state, params)
     assert int(state.nonfinite_leaf) == leaf, bad
     assert int(mpx.loss_scale_metrics(state)["nonfinite_leaf"]) == leaf
-    assert mpx.nonfinite_gradient_paths(state, params) == [names[leaf]]
+    assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == [names[leaf]]
     _, state = step(_attribution_grads(), state, params)  # a finite step keeps the record
     assert int(state.nonfinite_leaf) == leaf
   assert int(state.skipped_steps) == len(cases)
@@ -882,7 +884,7 @@ def test_a_finite_gradient_that_overflows_only_when_unscaled_is_attributed():
   grads = {"a": jnp.ones(70_000), "b": jnp.array([1.0, 1.0e36, 1.0])}
   _, state = tx.update(grads, tx.init(params), params)
   assert int(state.skipped_steps) == 1
-  assert mpx.nonfinite_gradient_paths(state, params) == ["b"]
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == ["b"]
 
 
 def test_nonfinite_gradient_paths_rejects_params_of_another_model():
@@ -890,7 +892,7 @@ def test_nonfinite_gradient_paths_rejects_params_of_another_model():
   tx = mpx.dynamic_loss_scale(mpx.with_master_params(optax.sgd(1.0)))
   _, state = tx.update(_attribution_grads("e_small"), tx.init(params), params)
   with pytest.raises(mpx.StateError, match="gradient leaf 4, but these params have 1 leaf "):
-    mpx.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
+    mpx.diagnostics.nonfinite_gradient_paths(state, {"w": jnp.ones(3)})
 
 
 def test_skip_history_and_overflow_rate_cover_the_last_32_steps():
@@ -934,14 +936,6 @@ def test_axis_name_makes_the_attribution_global():
   np.testing.assert_array_equal(new.skip_history, [1, 1, 1])
 
 
-@pytest.fixture
-def unwarned(monkeypatch):
-  """Resets the once-per-process flag of the forgotten-scale warning."""
-  from mpx._src.scaling import misuse
-
-  monkeypatch.setattr(misuse, "_warned_unscaled", False)
-
-
 def _sgd_step(tx, grad_fn):
   @jax.jit
   def step(params, state):
@@ -952,16 +946,31 @@ def _sgd_step(tx, grad_fn):
   return step
 
 
-def test_forgotten_value_and_grad_warns_once_and_names_the_fix(unwarned):
+def test_forgotten_value_and_grad_warns_once_per_step_function_and_names_the_fix():
   tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
   params = {"w": jnp.ones(3)}
   step = _sgd_step(tx, lambda f, state: jax.grad(f))
-  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad.*mpx\.scale"):
+  with pytest.warns(mpx.PrecisionWarning, match=r"mpx\.value_and_grad.*mpx\.scale.*step at "):
     new_params, _ = step(params, tx.init(params))
   # What the warning is about: the true gradient 0.5 moved w by 0.1 * 0.5 / 2**15, not 0.05.
   np.testing.assert_allclose(new_params["w"], 1 - 0.05 / 2**15, rtol=1e-7)
-  again = _sgd_step(tx, lambda f, state: jax.grad(f))  # a new trace: silent
-  again(params, tx.init(params))
+  step(new_params, tx.init(params))  # the same trace: silent (warnings are errors)
+
+
+def test_forgotten_value_and_grad_warns_for_every_step_function():
+  # Issue 34: the warning came once per process, so a second step function trained as badly
+  # without a word. Under Python's default filter (once per message and line) too, each step
+  # function warns, though both call update from one line (this helper's).
+  tx = mpx.mixed_precision(optax.sgd(0.1), "mixed_float16")
+  params = {"w": jnp.ones(3)}
+  with warnings.catch_warnings(record=True) as record:
+    warnings.simplefilter("default")
+    for _ in range(2):
+      step = _sgd_step(tx, lambda f, state: jax.grad(f))
+      step(params, tx.init(params))
+      step(params, tx.init(params))  # the same trace
+  assert [w.category for w in record] == [mpx.PrecisionWarning] * 2
+  assert "once per traced step function" in str(record[1].message)
 
 
 @pytest.mark.parametrize(
@@ -975,14 +984,14 @@ def test_forgotten_value_and_grad_warns_once_and_names_the_fix(unwarned):
   ids=["value_and_grad", "scale", "get_loss_scale", "by_hand"],
 )
 @pytest.mark.parametrize("policy", ["mixed_float16", "params=float16,compute=float16"])
-def test_scaled_gradients_do_not_warn(unwarned, grad_fn, policy):
+def test_scaled_gradients_do_not_warn(grad_fn, policy):
   tx = mpx.mixed_precision(optax.sgd(0.1), policy)
   params = mpx.get_policy(policy).cast_to_param({"w": jnp.ones(3)})
   new_params, _ = _sgd_step(tx, grad_fn)(params, tx.init(params))  # warnings are errors
   np.testing.assert_allclose(new_params["w"].astype(F32), 0.95, rtol=1e-3)
 
 
-def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn(unwarned):
+def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn():
   params = {"w": jnp.ones(3)}
   for tx in (
     mpx.mixed_precision(optax.sgd(0.1), "mixed_bfloat16"),  # no_loss_scale: nothing to forget
@@ -993,7 +1002,7 @@ def test_unscaled_gradients_under_no_loss_scale_and_inner_multisteps_do_not_warn
     step(params, state)
 
 
-def test_forgotten_value_and_grad_warns_under_nnx(unwarned):
+def test_forgotten_value_and_grad_warns_under_nnx():
   from flax import nnx
 
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
@@ -1041,7 +1050,7 @@ def test_empty_gradient_leaves(shape):
   grads = {"e": jnp.zeros(shape, F16), "w": jnp.array([1.0, jnp.inf], F16)}
   _, state = jax.jit(tx.update)(grads, state, params)
   assert int(state.skipped_steps) == 1
-  assert mpx.nonfinite_gradient_paths(state, params) == ["w"]
+  assert mpx.diagnostics.nonfinite_gradient_paths(state, params) == ["w"]
 
 
 def test_advice_for_integer_gradient_leaves_works():

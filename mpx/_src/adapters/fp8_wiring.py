@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from mpx._src import recipe as recipe_lib
+from mpx._src.ops import attention, fp8_conv, kernels
 from mpx._src.ops import fp8 as fp8_lib
-from mpx._src.ops import fp8_conv, kernels
 
 HISTORY_NAMES = ("lhs", "rhs", "grad")
 """The amax histories of one delayed-scaling contraction, in the order of its ``state``."""
@@ -154,8 +154,8 @@ def attention_fn(recipe: recipe_lib.Fp8Recipe, current: Any) -> Callable[..., An
     (``recipe.for_attention()``), where ``recipe.attention`` is set and the
     layer uses mpx's attention; ``None`` to leave the layer alone.
   """
-  if not recipe.attention or current is not kernels.dot_product_attention:
+  if not recipe.attention or current is not attention.dot_product_attention:
     return None
   return functools.partial(
-    kernels.dot_product_attention, dot_general=dot_general(recipe.for_attention())
+    attention.dot_product_attention, dot_general=dot_general(recipe.for_attention())
   )

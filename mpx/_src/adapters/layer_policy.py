@@ -33,7 +33,7 @@ from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
 from mpx._src.adapters import keep as keep_lib
-from mpx._src.ops import kernels
+from mpx._src.ops import attention, kernels
 
 FLOAT32 = policy_lib.get_policy("float32")
 
@@ -222,7 +222,7 @@ def configure_layer(
     and "attention_fn" in fields
     and module.attention_fn is default_attention
   ):
-    set_field(module, "attention_fn", kernels.dot_product_attention)
+    set_field(module, "attention_fn", attention.dot_product_attention)
   if accumulate_in_float32:
     for name, wrapped in (
       ("dot_general", kernels.dot_general_f32_accumulation),

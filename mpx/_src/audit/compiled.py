@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src.audit import stablehlo
+from mpx._src.audit import fused_attention, stablehlo
 
 _HLO_DTYPES = {
   "pred": "bool",
@@ -350,7 +350,11 @@ def gemms(text: str, *, native_block_scaling: bool = False) -> list[dict[str, An
   records = []
   for instr, comp, count in launches(text):
     backend = _backend(instr)
-    if instr["opcode"] == "custom-call" and backend in ("cublas", "cublaslt", "cudnn"):
+    if fused_attention.is_fused(instr):
+      by_name = {i["name"]: i for i in computations[comp]}
+      operands = [_operand(by_name, instr, i) for i in range(3)]
+      records.append(fused_attention.record(instr, operands, arrays(instr["type"])[0], count))
+    elif instr["opcode"] == "custom-call" and backend in ("cublas", "cublaslt", "cudnn"):
       by_name = {i["name"]: i for i in computations[comp]}
       records.append(_record(instr, by_name, instr, count, backend, native_block_scaling))
     elif instr["opcode"] in ("dot", "convolution"):

@@ -1,7 +1,7 @@
 """Peak matrix-multiply throughput of common GPUs, per operand class, for estimates only.
 
 Dense figures (no structured sparsity) from NVIDIA's datasheets, in TFLOP/s.
-The operand classes are those of :attr:`mpx.MatmulOp.operand_class`:
+The operand classes are those of :attr:`mpx.diagnostics.MatmulOp.operand_class`:
 ``"half"`` (float16 and bfloat16 Tensor Cores), ``"tf32"`` (float32 operands
 at JAX's default precision, which cuBLAS runs on TF32 Tensor Cores),
 ``"float32"`` (``precision=HIGHEST``: true float32), ``"float64"`` and

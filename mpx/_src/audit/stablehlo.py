@@ -16,6 +16,7 @@ import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
+from mpx._src.ops import attention as attention_lib
 
 _PRODUCT_OPS = {
   "stablehlo.dot_general": "dot_general",
@@ -45,6 +46,8 @@ _INTERNAL_SCOPES = frozenset(
     "while",
   }
 )
+# Scopes that name no module: jax's cond branches ('branch_0_fun'), mpx's attention's.
+_SCOPES = rf"branch_\d+_fun|{attention_lib.SCOPES}"
 _WRAPPED = re.compile(r"([A-Za-z_][\w.]*)\((.*)\)")
 _LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
 _FRAME = re.compile(r'"([A-Za-z_<][\w.<>]*)"\(')
@@ -133,7 +136,7 @@ def module_path(name: str, location: str) -> tuple[str, bool]:
     transforms.update(wrappers)
     if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg:
       continue  # A function name or an einsum spec, not a module.
-    if seg and seg not in _INTERNAL_SCOPES:
+    if seg and seg not in _INTERNAL_SCOPES and not re.fullmatch(_SCOPES, seg):
       # A rematerialised body replays the name stack it was traced under inside
       # its transpose: 'transpose(jvp(Model))/jvp(Model)/checkpoint/...'. The
       # replay carries the inner wrappers of the scope it repeats; a module
@@ -387,7 +390,7 @@ def matmul_ops(module: Any) -> list[dict[str, Any]]:
     module: the ``compiler_ir("stablehlo")`` of a lowered JAX program.
 
   Returns:
-    One dict per op with the fields of ``mpx.MatmulOp`` except ``share``.
+    One dict per op with the fields of ``mpx.diagnostics.MatmulOp`` except ``share``.
   """
   return [_record(raw) for raw in _collect(module, frozenset(_PRODUCT_OPS))]
 

@@ -21,8 +21,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src.audit import compiled as hlo
+from mpx._src.audit import fused_attention, targets
 from mpx._src.audit import ops as audit_ops
-from mpx._src.audit import targets
 
 _NOTE = "compiled for the target without autotuning: kernel choices are XLA's defaults"
 
@@ -35,10 +35,12 @@ class TargetGemm:
     kernel: the name of the kernel's instruction in the compiled HLO.
     backend: ``"triton"`` (a Triton GEMM fusion), ``"cublas"``,
       ``"cublaslt"``, ``"cudnn"`` or ``"xla"`` (XLA's own emitter).
-    kind: ``"dot"``, ``"convolution"`` or ``"scaled-dot"`` (a block-scaled
+    kind: ``"dot"``, ``"convolution"``, ``"scaled-dot"`` (a block-scaled
       product, ``jax.lax.scaled_dot``: float8 with an MX scale per block of
       32 on Blackwell; before it, Triton multiplies the dequantised blocks in
-      bfloat16, and the dtypes say so).
+      bfloat16, and the dtypes say so) or ``"attention"`` (cuDNN's fused
+      attention, one pass: the products inside it, with the query and key as
+      ``lhs`` and ``rhs``).
     lhs_dtype: the left operand's dtype as the kernel multiplies it, after the
       conversions XLA fused into the kernel.
     rhs_dtype: the right operand's dtype, likewise.
@@ -128,6 +130,28 @@ class Collective:
 
 
 @dataclasses.dataclass(frozen=True)
+class TargetAttention:
+  """Which attention one layer's pass runs in the program compiled for a GPU.
+
+  Attributes:
+    module_path: the attention layer, from the name stack.
+    is_backward: whether it is the backward pass.
+    implementation: ``"cudnn"`` (cuDNN's fused flash attention) or ``"xla"``
+      (:func:`mpx.dot_product_attention`'s exact unfused path: the scores are
+      written to memory).
+    reason: why it is unfused (``None`` when fused): a key of
+      ``mpx._src.ops.attention.REASONS``, e.g. ``"mask"`` or ``"no_cudnn"``.
+    count: executions per run.
+  """
+
+  module_path: str
+  is_backward: bool
+  implementation: str
+  reason: str | None
+  count: int
+
+
+@dataclasses.dataclass(frozen=True)
 class TargetReport:
   """The audit of a program compiled for a GPU; ``str(report)`` is a table.
 
@@ -140,9 +164,12 @@ class TargetReport:
       ``op_name``, ``count``, ``bytes``; see ``compiled.kernels``).
     collectives: the collectives (none on one GPU).
     intended: the StableHLO audit of the same lowering (what the program asks
-      for before XLA's GPU passes), an :class:`mpx.AuditReport`.
+      for before XLA's GPU passes), an :class:`mpx.diagnostics.AuditReport`.
     lost: one line per layer whose products were meant to run in float8 (or
       half precision) and whose compiled kernels multiply something wider.
+    attention: which attention each attention layer's pass runs (cuDNN's
+      fused kernel, or mpx's unfused path and why); attention written without
+      mpx and run unfused is not listed.
   """
 
   target: str
@@ -153,6 +180,7 @@ class TargetReport:
   collectives: tuple[Collective, ...]
   intended: Any
   lost: tuple[str, ...]
+  attention: tuple[TargetAttention, ...] = ()
 
   @property
   def total_flops(self) -> int:
@@ -229,6 +257,7 @@ class TargetReport:
         "collectives: "
         + ", ".join(f"{k} {d} {b / 2**20:.2f} MiB" for (k, d), b in sorted(coll.items()))
       )
+    lines += fused_attention.summary_lines(self.attention)
     lines += [f"lost: {line}" for line in self.lost]
     return "\n".join(lines)
 
@@ -378,4 +407,5 @@ def audit_target(
     collectives=tuple(Collective(**c) for c in hlo.collectives(text)),
     intended=intended,
     lost=lost,
+    attention=tuple(TargetAttention(**a) for a in fused_attention.calls(hlo.launches(text))),
   )

@@ -149,6 +149,10 @@ def _hand_to_jax(cuda: str) -> None:
       module.cuda_versions = versions  # pyright: ignore[reportAttributeAccessIssue]
   for name in sorted(n for n in sys.modules if n.startswith("jaxlib.gpu_")):
     importlib.reload(sys.modules[name])
+  # mpx's attention remembers, per shape, whether cuDNN could be traced: not before now.
+  from mpx._src.ops import attention
+
+  attention.cudnn_blocker_cache_clear()
 
 
 def _extra_requirements(distribution: importlib.metadata.Distribution, extra: str) -> list[str]:

@@ -2,9 +2,9 @@
 
 Two things a layer's ``dtype`` cannot express:
 
-* :func:`softmax` and :func:`dot_product_attention`: attention whose two
-  matmuls run in the compute dtype while the softmax between them (a
-  reduction that overflows or loses mass in float16) runs in float32;
+* :func:`softmax`: a softmax (a reduction that overflows or loses mass in
+  float16) that runs in float32 between half-precision matmuls, as
+  :func:`mpx.dot_product_attention` (``attention.py``) uses it;
 * :func:`accumulate_in_float32`: a ``dot_general`` / ``conv_general_dilated``
   that requests float32 accumulation explicitly, forward and backward, while
   keeping half-precision operands and outputs.
@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
-from mpx._src import errors
 
 
 def _softmax_primal(x: jax.Array, where: Any, axis: Any, masked_value: float | None) -> jax.Array:
@@ -83,90 +82,6 @@ def softmax(x: jax.Array, axis: int | tuple[int, ...] = -1, where: Any = None) -
     Array([0.25, 0.25, 0.25, 0.25], dtype=float16)
   """
   return cast(jax.Array, _softmax(x, where, axis, None))
-
-
-def dot_product_attention(
-  query: jax.Array,
-  key: jax.Array,
-  value: jax.Array,
-  bias: jax.Array | None = None,
-  mask: jax.Array | None = None,
-  broadcast_dropout: bool = True,
-  dropout_rng: jax.Array | None = None,
-  dropout_rate: float = 0.0,
-  deterministic: bool = False,
-  dtype: Any = None,
-  precision: Any = None,
-  module: Any = None,
-  is_causal: bool = False,
-  dot_general: Any = None,
-  **unused: Any,
-) -> jax.Array:
-  """Flax-compatible attention whose softmax runs in float32.
-
-  A drop-in ``attention_fn`` for ``nn.MultiHeadDotProductAttention`` and
-  ``nnx.MultiHeadAttention``: both matmuls take ``dtype`` operands, the
-  softmax is :func:`softmax` (float32 inside; the backward pass keeps the
-  ``dtype`` weights and the mask as passed, not float32 copies). ``apply_policy`` installs it on attention layers
-  left at Flax's default when ``KeepRules.softmax_in_float32`` is set. (Flax's
-  own ``force_fp32_for_softmax`` leaves the weights in float32, so the
-  following matmul would run in float32.) ``module`` is accepted and ignored:
-  attention weights are not sown.
-
-  Args:
-    query: ``[batch..., q_length, heads, depth]``.
-    key: ``[batch..., kv_length, heads, depth]``.
-    value: ``[batch..., kv_length, heads, v_depth]``.
-    bias: optional additive bias, broadcastable to the weights.
-    mask: optional boolean mask, broadcastable to the weights.
-    broadcast_dropout: share the dropout mask over batch and heads.
-    dropout_rng: key for attention dropout.
-    dropout_rate: attention dropout rate.
-    deterministic: disable dropout.
-    dtype: the compute dtype (default: that of ``query``).
-    precision: matmul precision.
-    module: ignored.
-    is_causal: add a causal mask.
-    dot_general: the contraction of both matmuls (``None``:
-      ``jax.lax.dot_general``), e.g. :func:`mpx.fp8.fp8_dot_general`.
-    **unused: other arguments Flax may pass.
-
-  Returns:
-    ``[batch..., q_length, heads, v_depth]`` in ``dtype``.
-  """
-  del module, unused
-  dtype = jnp.dtype(dtype or query.dtype)
-  query, key, value = (t.astype(dtype) for t in (query, key, value))
-  query = query / jnp.sqrt(query.shape[-1]).astype(dtype)
-  contract = jax.lax.dot_general if dot_general is None else dot_general
-  logits = jnp.einsum(
-    "...qhd,...khd->...hqk", query, key, precision=precision, _dot_general=contract
-  )
-  if bias is not None:
-    logits = logits + bias.astype(dtype)
-  if is_causal:
-    causal = jnp.tril(jnp.ones(logits.shape[-2:], jnp.bool_))
-    mask = causal if mask is None else jnp.logical_and(mask, causal)
-  # Masked logits are filled with the lowest value, as Flax does (a row masked
-  # entirely gets uniform weights), inside the softmax's custom VJP, so the
-  # backward pass keeps the mask as given instead of broadcast to every head.
-  fill = None
-  if mask is not None:  # Flax's masks are float32 (make_causal_mask): keep 1 byte each.
-    mask, fill = jnp.asarray(mask, jnp.bool_), float(jnp.finfo(dtype).min)
-  weights = cast(jax.Array, _softmax(logits, mask, -1, fill))
-  if not deterministic and dropout_rate > 0.0:
-    if dropout_rng is None:
-      raise errors.ConfigError(
-        f"Attention dropout (rate {dropout_rate}) needs a dropout_rng; pass one, or "
-        "deterministic=True."
-      )
-    keep_prob = 1.0 - dropout_rate
-    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast_dropout else weights.shape
-    keep = jax.random.bernoulli(dropout_rng, keep_prob, shape)
-    weights = jnp.where(keep, weights / jnp.asarray(keep_prob, dtype), jnp.zeros((), dtype))
-  return jnp.einsum(
-    "...hqk,...khd->...qhd", weights, value, precision=precision, _dot_general=contract
-  )
 
 
 _MATMULS = (jex.primitives.dot_general_p, jex.primitives.conv_general_dilated_p)

@@ -14,8 +14,10 @@ optax wrappers keep those updates, each with its own state:
 
 The last two keep no float32 copy of the weights (Zamirai et al.,
 *Revisiting BFloat16 Training*, 2020). All three run the inner optimizer on
-float32 gradients and float32 weights and return updates in the param dtype,
-computed by :func:`update_toward`. Their states are :class:`HalfParamsState`:
+float32 gradients and float32 weights. The masters return float32 updates
+(:func:`exact_update`), which land on the cast of the new master; the other
+two return updates in the param dtype (:func:`update_toward`) and account for
+where ``param + update`` lands. Their states are :class:`HalfParamsState`:
 each holds a tree shaped like the params, with a master (buffer, key) at every
 half param and ``None`` elsewhere, checks itself against the params, and
 reads the weights the optimizer trains. This module holds what they share.
@@ -101,9 +103,11 @@ def find_half_params_state(opt_state: optax.OptState) -> Any:
 def keeps_wide_updates(opt_state: optax.OptState) -> bool:
   """Whether ``opt_state``'s half-params state returns updates wider than the params on purpose.
 
-  ``mpx.with_master_params(..., remainder=True)`` returns float32 updates of
-  bfloat16 params (``float32(p) + u`` rounds exactly onto the param its
-  remainder is kept for); wrappers around it must pass them on unnarrowed.
+  ``mpx.with_master_params`` returns float32 updates of half-precision params
+  (float32 masters, and remainder masters of bfloat16 params): only a float32
+  update lands a weight that crosses zero or shrinks more than twofold
+  exactly on the cast of its master. Wrappers around it must pass them on
+  unnarrowed.
   """
   found = tree_lib.find_nodes(opt_state, HalfParamsState)
   return any(getattr(node, "wide_updates", False) for _, node in found)
@@ -267,6 +271,65 @@ def update_toward(target: jax.Array, param: jax.Array, wide_dtype: np.dtype) -> 
   big = float(jnp.finfo(param.dtype).max)
   diff = jnp.where(jnp.isfinite(target), jnp.clip(diff, -big, big), diff)
   return diff.astype(param.dtype)
+
+
+def exact_update(target: jax.Array, param: jax.Array, dtype: np.dtype) -> jax.Array:
+  """The update ``u`` of the wider ``dtype`` for which :func:`add` ``(param, u)`` is ``target``.
+
+  ``u = target - param`` computed in ``dtype``; ``param + u`` in ``dtype``,
+  rounded to the param's dtype, is what ``optax.apply_updates`` computes
+  under JAX's default dtype promotion and :func:`add` under any. With a
+  float32 ``dtype`` the difference of two half-precision numbers is exact
+  whenever it fits float32's 24 significant bits, and then the sum is
+  ``target`` bit for bit; a weight growing by any factor lands too, as the
+  rounding of the difference is far below the target's ulp. What can miss is
+  a target more than ``2**16`` (bfloat16) or ``2**13`` (float16) times
+  smaller than the param, with bits below float32's resolution at the param
+  (``param + u`` lies on float32's grid there; see ``mpx.with_master_params``
+  for when a master has such bits), and bfloat16 values beyond float32's
+  arithmetic: subnormals, which XLA flushes, and moves between values near
+  the format's max, whose difference overflows and is clamped. Where
+  ``target`` equals ``param`` the update is ``-0.0``, since ``param +
+  (-0.0)`` is ``param`` bitwise, ``-0.0`` and infinities included; a
+  ``target`` of ``-0.0`` is reached from ``-0.0`` only (``p + (-p)`` is
+  ``+0.0``).
+
+  Args:
+    target: the value the param should take, in the param's dtype.
+    param: the current param.
+    dtype: the update's dtype, at least as wide as the param's.
+
+  Returns:
+    The update, of ``dtype``.
+  """
+  t, p = target.astype(dtype), param.astype(dtype)
+  same = (t == p) & (jnp.signbit(t) == jnp.signbit(p))
+  diff = jnp.where(same, -0.0, t - p)  # inf - inf: no move, not NaN
+  big = float(jnp.finfo(dtype).max)
+  return jnp.where(jnp.isfinite(t), jnp.clip(diff, -big, big), diff)
+
+
+def add(param: Any, update: Any) -> Any:
+  """``param + update`` as ``optax.apply_updates`` computes it under default dtype promotion.
+
+  The sum is taken in the dtype JAX's standard promotion gives the two
+  (float32 for a half param and a float32 update) and rounded to the param's
+  dtype, with explicit conversions, so it also runs under strict promotion,
+  where optax's ``param + update`` raises for mixed dtypes.
+
+  Args:
+    param: a param leaf, or ``None``.
+    update: its update.
+
+  Returns:
+    The new param, of the param's dtype (``None`` for a ``None`` param).
+  """
+  if param is None:
+    return None
+  param, update = jnp.asarray(param), jnp.asarray(update)
+  with jax.numpy_dtype_promotion("standard"):
+    wide = jnp.promote_types(param.dtype, update.dtype)
+  return (param.astype(wide) + update.astype(wide)).astype(param.dtype)
 
 
 def widened(leaf: Any) -> Any:

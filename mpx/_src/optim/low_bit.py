@@ -217,34 +217,3 @@ def check_quantized(path: str, leaf: Any, state_dtype: str, min_size: int) -> No
     "optimizer. Restore it with jax.eval_shape(tx.init, params) as the target, where tx is "
     "this run's optimizer, or rebuild it with tx.init(params)."
   )
-
-
-def place(q: Any, like: Any) -> Any:
-  """Puts eagerly built codes on ``like``'s sharding and the scales on its leading axes.
-
-  Args:
-    q: a :class:`QuantizedMoment` built outside ``jit`` (other leaves are returned as
-      they are).
-    like: the float32 moment it was built from, placed on its param's sharding.
-
-  Returns:
-    ``q``, placed; as it is under ``jit`` or for an uncommitted ``like``.
-  """
-  tracer = jax.core.Tracer  # pyright: ignore[reportAttributeAccessIssue]
-  if not is_quantized(q) or not isinstance(like, jax.Array) or isinstance(like, tracer):
-    return q
-  sharding = like.sharding
-  if not like.committed:
-    return q
-  codes = jax.device_put(q.codes, sharding)
-  k = q.scales.ndim - 1
-  if isinstance(sharding, jax.sharding.NamedSharding):
-    spec = jax.sharding.PartitionSpec(*tuple(sharding.spec)[:k])
-    scales_sharding: Any = jax.sharding.NamedSharding(sharding.mesh, spec)
-  elif len(sharding.device_set) == 1:
-    scales_sharding = jax.sharding.SingleDeviceSharding(next(iter(sharding.device_set)))
-  else:
-    devices = np.array(sorted(sharding.device_set, key=lambda d: d.id))
-    mesh = jax.sharding.Mesh(devices, ("devices",))
-    scales_sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  return QuantizedMoment(codes, jax.device_put(q.scales, scales_sharding))

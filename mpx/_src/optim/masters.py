@@ -32,6 +32,10 @@ class MasterParamsState(NamedTuple):
   master_params: optax.Params
   inner_state: optax.OptState
 
+  wide_updates = True
+  """Its updates have the masters' dtype (``base.exact_update``): loss scaling must not narrow
+  them."""
+
   def check(self, params: optax.Params, master_dtype: np.dtype | None) -> None:
     """Raises if the masters do not fit ``params`` (see :func:`check_masters`)."""
     check_masters(self.master_params, params, master_dtype)
@@ -136,28 +140,32 @@ def with_master_params(
   * ``update(grads, state, params)`` casts the gradients to ``master_dtype``,
     runs ``inner`` against the masters (so every moment it creates has
     ``master_dtype``), adds the inner updates to the masters in
-    ``master_dtype``, and returns for each copied leaf the param-dtype update
-    ``cast(new_master) - param``. Params without a master get the inner
-    updates unchanged.
+    ``master_dtype``, and returns for each copied leaf the ``master_dtype``
+    update ``cast(new_master) - param``, computed in ``master_dtype``. Params
+    without a master get the inner updates unchanged.
 
-  How exact the new params are depends on the call that applies the updates:
-
-  * :func:`mpx.apply_updates` returns ``new_master.astype(param.dtype)`` bit
-    for bit for every leaf.
-  * ``optax.apply_updates``, which ``nnx.Optimizer.update`` and Flax's
-    ``TrainState.apply_gradients`` call, computes ``param + update`` in the
-    param dtype. That lands exactly on ``cast(new_master)`` whenever the
-    difference is representable, which Sterbenz's lemma guarantees when the
-    old and new param are within a factor of two of each other, and always
-    when either is zero or both are subnormal. A small weight that crosses
-    zero or halves in one step can miss by at most one ulp of that step's
-    move (about 0.1% of element-steps of an Adam run in float16 or
-    bfloat16), and some moves no update can make (``1 -> 2**-24`` needs more
-    bits than float16 has; no sum ``p + u`` with ``p != -0`` gives ``-0.0``;
-    ``65504 -> -65504`` needs an update beyond float16's range, which is
-    clamped to it so ``p + u`` stays finite). Such a miss never accumulates:
-    the masters stay exact and each update moves the params it is given to
-    the cast of the new masters, so the next step corrects it.
+  Each param then becomes ``param + update``, added in ``master_dtype`` and
+  rounded to the param's dtype: what ``optax.apply_updates`` computes under
+  JAX's default dtype promotion (and so ``nnx.Optimizer.update`` and Flax's
+  ``TrainState.apply_gradients``, which call it), and what
+  :func:`mpx.apply_updates` computes under any promotion. The two give the
+  same params bit for bit, and that sum is ``cast(new_master)``, also for a
+  weight that crosses zero or shrinks or grows by any factor in one step (the
+  cases a half-precision update misses). The float32 difference of two
+  half-precision numbers is exact unless their exponents lie far apart, and a
+  new master one float32 addition away from the old one lies on float32's
+  grid at the old param, which ``param + u`` reaches. The one corner it does
+  not: a param that rounded up to a power of two (its master lies just
+  below it) whose master then crosses zero to a value more than ``2**16``
+  (bfloat16) or ``2**13`` (float16) times smaller and odd in the master's
+  last float32 bit, which lies below the grid at the param; the param then
+  takes the nearest value it can reach. Besides, bfloat16 shares float32's
+  range: its subnormals are flushed by XLA's float32 arithmetic, and a move
+  between values near its max is clamped to stay finite. A miss never
+  accumulates: the masters stay exact, and the next update moves the param
+  it is given to the cast of the next master. Under strict dtype promotion
+  ``optax.apply_updates`` rejects the float32 updates of half params (a
+  ``TypePromotionError``); call :func:`mpx.apply_updates`.
 
   Put loss scaling outside this wrapper (``mpx.mixed_precision`` does), so
   that a skipped step leaves the masters untouched.
@@ -172,14 +180,12 @@ def with_master_params(
   master (halfway cases away from zero, the one rounding under which a 16-bit
   remainder can recover every float32 master; ``astype`` rounds them to even,
   so the params differ from layout (b)'s only for a master whose low 16 bits
-  are exactly ``0x8000`` and whose lower neighbour is even). The remainder is
-  taken relative to ``param + update`` as ``optax.apply_updates`` rounds it,
-  so either apply call works. The master is exact whenever that sum lands on
-  the new param, which it does whenever the old and new param are within a
-  factor of two of each other, either is zero, or both are subnormal (see
-  above); a weight that crosses zero or shrinks more than twofold in one step
-  and misses keeps the float32 value nearest to its master that its param
-  can reach. Float32 params get no remainder; float16 params are an error.
+  are exactly ``0x8000`` and whose lower neighbour is even). The updates are
+  float32 too, and the remainder is taken relative to ``param + update`` as
+  both apply calls compute it. The master is exact whenever that sum lands on
+  the new param, which it does but in the corner above; there the weight
+  keeps the float32 value nearest to its master that its param can reach. Float32 params get
+  no remainder; float16 params are an error.
   Wrap it with ``mpx.mixed_precision(..., master_dtype=None)``, as the layout
   (c) wrappers, and store the moments in 8 bits for about 6 bytes per
   parameter: ``mpx.with_master_params(mpx.with_state_dtype(optax.adamw(lr),
@@ -287,7 +293,7 @@ def with_master_params(
     )
 
     param_updates = jax.tree.map(
-      lambda m, p, u: u if m is None else base.update_toward(m.astype(p.dtype), p, m.dtype),
+      lambda m, p, u: u if m is None else base.exact_update(m.astype(p.dtype), p, m.dtype),
       new_masters,
       params,
       inner_updates,
@@ -298,72 +304,35 @@ def with_master_params(
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
 
 
-def _wide(p: Any, u: Any) -> bool:
-  return (
-    tree_lib.is_floating_array(p)
-    and tree_lib.is_floating_array(u)
-    and u.dtype.itemsize > p.dtype.itemsize
-  )
-
-
 def apply_updates(
-  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState
+  params: optax.Params, updates: optax.Updates, opt_state: optax.OptState | None = None
 ) -> optax.Params:
-  """Applies updates exactly: each param becomes the cast of its new master.
+  """Applies updates as ``optax.apply_updates`` does, under strict dtype promotion too.
 
-  The drop-in replacement of ``optax.apply_updates`` for half-precision params
-  with float32 masters (layout (b), paper section 3.1). For every leaf with a
-  master in ``opt_state`` it returns ``master.astype(param.dtype)`` bit for
-  bit, which ``optax.apply_updates`` cannot always do (see
-  :func:`with_master_params`); the update of such a leaf is not used. Every
-  other leaf gets ``(param + update).astype(param.dtype)`` as in optax. Without
-  masters in ``opt_state`` (float32 params, or half params whose updates
-  ``mpx.with_kahan_summation`` or ``mpx.with_stochastic_rounding`` compensate)
-  it is ``optax.apply_updates``, so it is the one call that fits every
-  policy. The masters are found anywhere in ``opt_state``, also inside
-  ``optax.masked`` or ``optax.multi_transform``: the params another part of
-  the optimizer updates have no master there and get ``param + update``. It reads the masters that ``update`` wrote and checked; nothing is
-  validated twice.
+  Each param becomes ``param + update``, added in the dtype JAX's default
+  promotion gives the two and rounded to the param's dtype: bitwise what
+  ``optax.apply_updates`` returns under default promotion (under strict
+  promotion it rejects an update wider than its param). The updates of
+  half-precision params with float32 masters (layout (b), paper section 3.1,
+  and remainder masters) are float32 for that reason: they land each param
+  on the cast of its new master, ``master.astype(param.dtype)``, except
+  where no float32 update can (see :func:`with_master_params`). Other
+  updates have their param's dtype, and the sum is ``optax.apply_updates``'
+  own. It is therefore the one call that fits every policy and promotion
+  mode.
 
   Args:
     params: the params the updates were computed for.
-    updates: the updates returned together with ``opt_state``.
-    opt_state: the NEW optimizer state returned by ``tx.update``.
+    updates: the updates ``tx.update`` returned.
+    opt_state: not read (earlier versions read the masters from it); calls
+      that pass the new optimizer state keep working.
 
   Returns:
     The new params, with the structure and dtypes of ``params``.
 
   Raises:
-    StateError: ``opt_state``'s masters do not have the structure of ``params``.
+    TreeStructureError: ``updates`` does not have the structure of ``params``.
   """
-  if base.keeps_wide_updates(opt_state):
-    # Float32 updates of bfloat16 params (remainder masters): added in float32 and rounded,
-    # as optax.apply_updates does too, but under strict dtype promotion as well.
-    return jax.tree.map(
-      lambda p, u: remainder_lib.add(p, u) if _wide(p, u) else optax.apply_updates(p, u),
-      params,
-      updates,
-    )
-  masters = base.find_master_params(opt_state)
-  if masters is None:
-    return optax.apply_updates(params, updates)
-
-  # Under optax.masked or multi_transform the masters hold a MaskedNode for
-  # every param another part of the optimizer updates: those have no master.
-  def no_master(m: Any) -> bool:
-    return m is None or isinstance(m, optax.MaskedNode)
-
-  try:
-    return jax.tree.map(
-      lambda m, p, u: optax.apply_updates(p, u) if no_master(m) else m.astype(p.dtype),
-      masters,
-      params,
-      updates,
-      is_leaf=no_master,
-    )
-  except ValueError as e:
-    raise errors.StateError(
-      f"The master params in the optimizer state do not have the tree structure of the "
-      f"params or updates ({e}). Pass the params the updates were computed for, and the "
-      "optimizer state tx.update returned with them."
-    ) from None
+  del opt_state
+  tree_lib.check_same_structure(updates, params, names=("updates", "params"))
+  return jax.tree.map(base.add, params, updates, is_leaf=base.is_none)

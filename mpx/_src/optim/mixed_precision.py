@@ -108,11 +108,12 @@ def mixed_precision(
     wrapper holds no copy, since the params already are float32.
   * (b) half ``param_dtype`` (``"params=float16,compute=float16,..."``):
     float32 masters live in the optimizer state; the forward and backward
-    read half the bytes. Apply updates with :func:`mpx.apply_updates` for
-    params that are exactly the rounding of their masters; Flax's
-    ``nnx.Optimizer`` and ``TrainState``, which call ``optax.apply_updates``,
-    agree with it except in the corner cases :func:`mpx.with_master_params`
-    lists.
+    read half the bytes. The updates of half params are float32, and each
+    param becomes the rounding of its new master (but in one corner
+    :func:`mpx.with_master_params` describes) under :func:`mpx.apply_updates`
+    and, bit for bit the same, under ``optax.apply_updates`` with JAX's
+    default dtype promotion (which Flax's ``nnx.Optimizer`` and
+    ``TrainState`` call).
 
   Layout (c), half params without masters, keeps their small updates by
   compensating them inside ``inner``: wrap it in

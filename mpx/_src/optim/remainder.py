@@ -119,7 +119,8 @@ class RemainderMastersState(NamedTuple):
   inner_state: optax.OptState
 
   wide_updates = True
-  """Its updates are float32 for bfloat16 params: loss scaling must not narrow them."""
+  """Its updates are float32 for bfloat16 params (``base.exact_update``): loss scaling must not
+  narrow them."""
 
   @property
   def master_params(self) -> optax.Params:
@@ -220,7 +221,7 @@ def with_remainder_masters(
       is_leaf=base.is_none,
     )
     param_updates = jax.tree.map(
-      lambda m, p, u: u if m is None else exact_update(split(m)[0], p),
+      lambda m, p, u: u if m is None else base.exact_update(split(m)[0], p, F32),
       masters,
       params,
       inner_updates,
@@ -228,7 +229,7 @@ def with_remainder_masters(
     )
     # Relative to the param p + u that mpx.apply_updates and optax.apply_updates return.
     new_rems = jax.tree.map(
-      lambda m, p, u: None if m is None else remainder_toward(m, add(p, u)),
+      lambda m, p, u: None if m is None else remainder_toward(m, base.add(p, u)),
       masters,
       params,
       param_updates,
@@ -237,24 +238,3 @@ def with_remainder_masters(
     return param_updates, RemainderMastersState(new_rems, inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
-
-
-def exact_update(target: jax.Array, param: jax.Array) -> jax.Array:
-  """The float32 update ``u`` for which ``float32(param) + u``, rounded to bfloat16, is ``target``.
-
-  ``target - param`` in float32, exact whenever the two exponents are at most
-  16 apart (float32 has 16 more significant bits than bfloat16), so the sum
-  lands on ``target`` bit for bit; a bfloat16 update cannot, for a weight
-  that crosses zero or shrinks more than twofold in a step. Further apart,
-  the sum misses ``target`` by at most an ulp of float32 at ``param``, which
-  rounds away unless ``target`` is below ``2**-15 |param|``.
-  """
-  t, p = target.astype(F32), param.astype(F32)
-  big = float(jnp.finfo(F32).max)
-  diff = jnp.where(t == p, 0.0, t - p)  # inf - inf: no move, not NaN
-  return jnp.where(jnp.isfinite(t), jnp.clip(diff, -big, big), diff)
-
-
-def add(param: jax.Array, update: jax.Array) -> jax.Array:
-  """``param + update`` in the update's dtype, rounded to the param's: what apply_updates returns."""
-  return (param.astype(update.dtype) + update).astype(param.dtype)

@@ -11,6 +11,7 @@ import optax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import tree as tree_lib
+from mpx._src.dtypes import F32
 from mpx._src.optim import base, low_bit
 
 
@@ -154,10 +155,12 @@ def with_state_dtype(
   .. math::
 
      s_{32} = \\mathrm{float32}(s), \\qquad (u, s'_{32}) =
-     \\mathrm{inner}(g, s_{32}, p), \\qquad s' = \\mathrm{cast}(s'_{32}),
+     \\mathrm{inner}(\\mathrm{float32}(g), s_{32}, p), \\qquad s' = \\mathrm{cast}(s'_{32}),
 
   so every moment is rounded once per step, to nearest, and the arithmetic of
-  ``inner`` (bias correction, division, weight decay) is float32. The state
+  ``inner`` (bias correction, division, weight decay) is float32: half-precision
+  gradients are converted first (adam's ``g**2`` underflows in float16), and
+  the updates of half-precision params are float32 then. The state
   keeps the structure of the inner state (``optax.tree_utils.tree_get(state,
   "nu")`` finds the moments), and a checkpoint of either dtype restores into
   the other through orbax's cast to the restore target.
@@ -191,9 +194,10 @@ def with_state_dtype(
   the full unsigned range, uint8 ``round(255 (nu / scale)**(1/4))``; float8
   stores ``448 nu / scale`` in E4M3, whose exponent spans ``sqrt(nu)`` over
   2**8.9 (coding ``sqrt(nu)`` instead measured 0.009 nats worse on the demo);
-  a positive ``nu`` never reads back as zero. Smaller
-  moments (norm scales, biases) stay float32. Bytes per parameter with adamw:
-  about 2.03 (two codes, a scale per 256 of each). On the demo's transformer
+  a positive ``nu`` never reads back as zero. Smaller moments (norm scales,
+  biases) are stored in float32, those of bfloat16 and float16 params too, as
+  Dettmers et al. and bitsandbytes keep them. Bytes per parameter with
+  adamw: about 2.03 (two codes, a scale per 256 of each). On the demo's transformer
   the loss stays within 0.02 nats of float32 moments
   (``benchmarks/optimizer_memory.py``, ``docs/memory.md``). Codes keep the
   param's shape and sharding; the scales keep the param's leading axes when
@@ -211,7 +215,7 @@ def with_state_dtype(
     state_dtype: the storage dtype of the moments, e.g. ``jnp.bfloat16``, or
       ``"int8"`` / ``"float8_e4m3fn"`` for block-quantised 8-bit moments.
     block_size: 8-bit moments: elements per block that shares a scale.
-    min_size: 8-bit moments: moments with fewer elements stay float32.
+    min_size: 8-bit moments: moments with fewer elements are stored in float32.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with the state of ``inner``,
@@ -240,7 +244,9 @@ def with_state_dtype(
   References:
     Zamirai, Zhang, Aberger, De Sa, *Revisiting BFloat16 Training*, 2020
     (bfloat16 optimizer state with compensated or stochastically rounded
-    weight updates).
+    weight updates). Dettmers, Lewis, Shleifer, Zettlemoyer, *8-bit
+    Optimizers via Block-wise Quantization*, ICLR 2022 (block-wise 8-bit
+    moments, 32-bit ones for tensors under 4096 elements).
   """
   fmt = low_bit.parse_format(state_dtype)
   if fmt is not None:
@@ -263,7 +269,8 @@ def with_state_dtype(
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     check_state_dtype(state, state_dtype)
-    new_updates, new_state = inner.update(updates, cast(state, compute_dtype), params, **extra_args)
+    grads = jax.tree.map(base.widened, updates)
+    new_updates, new_state = inner.update(grads, cast(state, compute_dtype), params, **extra_args)
     return new_updates, cast(new_state, state_dtype)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)  # pyright: ignore[reportArgumentType]
@@ -282,8 +289,10 @@ def _with_quantized_moments(
   inner = optax.with_extra_args_support(inner)
 
   def quantize(path: tuple[Any, ...], x: Any) -> Any:
-    if low_bit.is_quantized(x) or x.size < min_size:
+    if low_bit.is_quantized(x):
       return x
+    if x.size < min_size:  # also the moments of half params, which optax makes in their dtype
+      return x.astype(F32)
     return low_bit.quantize(x, low_bit.code_for(path, fmt), block_size)
 
   def dequantize(path: tuple[Any, ...], x: Any) -> Any:
@@ -292,9 +301,8 @@ def _with_quantized_moments(
     return low_bit.dequantize(x, low_bit.code_for(path, fmt), block_size)
 
   def init_fn(params: optax.Params) -> optax.OptState:
-    state = tree_lib.place_state(inner.init(params), params)
-    # Eagerly built codes go where their float32 moment was placed (its param's sharding).
-    return _map_moments(lambda p, x: low_bit.place(quantize(p, x), x), state)
+    # Codes on their param's sharding, scales on its leading axes (tree.shardings_like_params).
+    return tree_lib.place_state(_map_moments(quantize, inner.init(params)), params)
 
   def update_fn(
     updates: optax.Updates,
@@ -303,8 +311,9 @@ def _with_quantized_moments(
     **extra_args: Any,
   ) -> tuple[optax.Updates, optax.OptState]:
     check_state_dtype(state, fmt, min_size=min_size)
+    grads = jax.tree.map(base.widened, updates)
     new_updates, new_state = inner.update(
-      updates, _map_moments(dequantize, state), params, **extra_args
+      grads, _map_moments(dequantize, state), params, **extra_args
     )
     return new_updates, _map_moments(quantize, new_state)
 

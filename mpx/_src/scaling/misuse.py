@@ -1,4 +1,4 @@
-"""Warnings about loss scaling used wrongly, given at ``init`` and at the first traced ``update``.
+"""Warnings about loss scaling used wrongly, given at ``init`` and when ``update`` is traced.
 
 * half-precision params trained without float32 masters (paper section 3.1);
 * gradients of the unscaled loss handed to a loss-scaling ``update`` (a
@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
+import weakref
 from typing import Any
 
 import jax
@@ -73,11 +75,18 @@ def _computed_from(outputs: list[Any], sources: list[Any]) -> bool | None:
   return False
 
 
-_warned_unscaled = False
+# The traces (one per step function and input signature) already warned about.
+_warned_traces: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def _traced_function(trace: Any) -> str | None:
+  """What ``jit`` is tracing, e.g. ``"train_step at train.py:12"``, if JAX says."""
+  debug_info = getattr(getattr(trace, "frame", None), "debug_info", None)
+  return getattr(debug_info, "func_src_info", None)
 
 
 def warn_if_unscaled(grads: Any, params: Any, loss_scale: Any) -> None:
-  """Warns once when the gradients were differentiated without the loss scale.
+  """Warns once per traced step when the gradients were differentiated without the loss scale.
 
   A train step that keeps ``jax.value_and_grad`` under a loss scale hands
   true gradients to ``update``, which divides them by the scale (2**15):
@@ -91,23 +100,43 @@ def warn_if_unscaled(grads: Any, params: Any, loss_scale: Any) -> None:
   gradients passed into the traced function, an eager ``update``, other
   tracers than ``jit``'s, or an inner ``update`` (under ``MultiSteps``) that
   sees the accumulated mean rather than the params' gradients.
+
+  Each trace warns once (a second step function, or a retrace with new
+  shapes, warns again), at the line that called ``update``, whatever
+  Python's once-per-location registry has seen there: two step functions
+  that share a helper calling ``update`` (``nnx.Optimizer.update``) each
+  warn.
   """
-  global _warned_unscaled
-  if _warned_unscaled or params is None:
+  if params is None:
     return
   grads_leaves, param_leaves = jax.tree.leaves(grads), jax.tree.leaves(params)
   if _computed_from(grads_leaves, param_leaves) is not True:
     return
   if _computed_from(grads_leaves, [loss_scale]) is not False:
     return
-  _warned_unscaled = True
-  warnings.warn(
+  trace = getattr(grads_leaves[0], "_trace", None)
+  if trace in _warned_traces:
+    return
+  if trace is not None:
+    _warned_traces.add(trace)
+  function = _traced_function(trace)
+  message = (
     "The gradients passed to the loss-scaling update were computed from the params but not "
     "from the loss scale: the loss was differentiated unscaled (jax.value_and_grad or "
     "jax.grad), so update divides true gradients by the scale and SGD-like optimizers barely "
     "move. Differentiate with mpx.value_and_grad(loss_fn, opt_state) instead of "
     "jax.value_and_grad(loss_fn); in a hand-written step, differentiate "
-    "mpx.scale(loss, opt_state). This warning is shown once.",
+    "mpx.scale(loss, opt_state). This warning is shown once per traced step function"
+    + (f" (this one: {function})." if function else ".")
+  )
+  # As warnings.warn(..., stacklevel=3) attributes it, to the caller of the loss-scaling
+  # update, but without Python's registry, which would show it once per calling line.
+  caller = sys._getframe(2)
+  warnings.warn_explicit(
+    message,
     errors.PrecisionWarning,
-    stacklevel=3,
+    caller.f_code.co_filename,
+    caller.f_lineno,
+    module=caller.f_globals.get("__name__"),
+    module_globals=caller.f_globals,
   )

@@ -39,7 +39,7 @@ class LossScaleState(NamedTuple):
     nonfinite_leaf: int32 scalar, in the last skipped step, the index (into
       ``jax.tree.leaves(grads)``) of the first gradient leaf with an element
       that was not finite once unscaled; ``-1`` before any skip. Kept until
-      the next skip; :func:`mpx.nonfinite_gradient_paths` names it.
+      the next skip; :func:`mpx.diagnostics.nonfinite_gradient_paths` names it.
     inner_state: the state of the wrapped transformation.
   """
 

@@ -39,7 +39,7 @@ def loss_scale_metrics(opt_state: Any) -> dict[str, jax.Array]:
     ``skip_history``; steps before the first count as finite) and
     ``nonfinite_leaf`` (int32: the index of the first gradient leaf that
     was not finite in the last skipped step, ``-1`` before any; name it with
-    :func:`mpx.nonfinite_gradient_paths`).
+    :func:`mpx.diagnostics.nonfinite_gradient_paths`).
 
   Raises:
     StateError: if ``opt_state`` holds no loss-scale state, or several.
@@ -96,7 +96,7 @@ def nonfinite_gradient_paths(opt_state: Any, params: Any) -> list[str]:
     >>> tx = mpx.dynamic_loss_scale(optax.sgd(0.1))
     >>> grads = {"big": jnp.ones(70_000), "bias": jnp.ones(3), "scale": jnp.full(3, jnp.inf)}
     >>> _, state = tx.update(grads, tx.init(params), params)
-    >>> mpx.nonfinite_gradient_paths(state, params)
+    >>> mpx.diagnostics.nonfinite_gradient_paths(state, params)
     ['scale']
   """
   index = int(jax.device_get(find_loss_scale_state(opt_state).nonfinite_leaf))

@@ -181,7 +181,7 @@ def dynamic_loss_scale(
      ``count``: a learning-rate schedule does not advance);
   4. adjusts the scale by the rule below, counts skipped steps, and records
      which gradient leaf broke a skipped step
-     (``nonfinite_leaf``, for :func:`mpx.nonfinite_gradient_paths`) and
+     (``nonfinite_leaf``, for :func:`mpx.diagnostics.nonfinite_gradient_paths`) and
      the last 32 steps' skips (``skip_history``, for the overflow rate of
      :func:`mpx.loss_scale_metrics`).
 
@@ -189,7 +189,8 @@ def dynamic_loss_scale(
   float16 params it should keep float32 state (float32 master weights, see
   :func:`mpx.with_master_params`). Updates are returned in each param's dtype
   when ``params`` is passed, so ``optax.apply_updates`` works under strict dtype
-  promotion. ``update`` checks, at trace time, that the gradients match the
+  promotion, except the float32 updates of params with masters (see
+  :func:`mpx.apply_updates`). ``update`` checks, at trace time, that the gradients match the
   params' tree structure and shapes, naming the first leaf that does not.
 
   The rule, as pseudo-code (``ok`` = every unscaled gradient is finite)::

@@ -7,11 +7,18 @@ For each recipe, compiles (never runs) the train-step gradient of a 4-layer MLP 
 beside ``mixed_bfloat16`` on the same GPU. Deviceless compilation: XLA's default kernel configs,
 no autotuning. Then the SQNR against float32 of one layer's output and both gradients, on CPU,
 on activations with outlier tokens and channels (torchao's criterion). Needs the ``gpu-target``
-extra; prints a table and writes ``results/fp8_recipes[_smoke].json``.
+extra; prints a table and writes ``results/fp8_recipes.json`` (``--smoke``: only to ``--out``).
+
+``--block`` studies what the quantisation costs instead: the gradient step of one GPT-2 block
+(``harness.gpt.Block``, ``--width`` wide, 12 heads of 64 at 768, batch 8 x 1024 tokens; a
+delayed step folds its amaxes in with ``update_fp8_state``) compiled for the H100, per recipe and
+for ``mixed_bfloat16``: kernel launches, bytes read and written, temp memory and the roofline
+model of ``harness.deviceless`` (no autotuning, not a measurement). It writes only to ``--out``.
 
 Usage::
 
-  JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py [--smoke]
+  JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py [--smoke] [--out PATH]
+  JAX_PLATFORMS=cpu python benchmarks/fp8_recipes.py --block [--width 768] [--out PATH]
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import sys
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from harness import results
+from harness import deviceless, results
+from harness.gpt import Block, GPTConfig
 from harness.mlp import Mlp
 
 import mpx
@@ -65,6 +74,65 @@ def target_row(policy: str, target: str, batch: int, width: int) -> dict:
   }
 
 
+BLOCK_POLICIES = ("mixed_bfloat16", "mixed_float8", "mixed_float8_delayed", "mixed_float8_rowwise")
+
+
+def block_row(policy: str, width: int) -> dict:
+  """One GPT-2 block's gradient step under ``policy``, compiled for the H100: kernels, bytes, memory."""
+  config = GPTConfig(d_model=width, num_heads=width // 64, max_len=1024, batch_size=8)
+  model = mpx.linen.apply_policy(Block(config), policy)
+  x = jax.ShapeDtypeStruct((config.batch_size, config.max_len, width), jnp.float32)
+  variables = jax.eval_shape(model.init, jax.random.key(0), x)
+
+  def step(variables, x):
+    def loss(variables, x):
+      return jnp.mean(jnp.square(model.apply(variables, x).astype(jnp.float32)))
+
+    grads, dx = jax.grad(loss, argnums=(0, 1))(variables, x)
+    if "fp8_history" in variables:
+      history = mpx.fp8.update_fp8_state(variables["fp8_history"], grads["fp8_history"])
+      grads = {**grads, "fp8_history": history}
+    return grads, dx
+
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", mpx.PrecisionWarning)  # attention's products stay bfloat16
+    report = mpx.audit(step, variables, x, target="h100")
+  roofline = deviceless.roofline(report, policy, "h100")
+  return {
+    "policy": policy,
+    "kernel_count": report.kernel_count,
+    "bytes_moved": report.bytes_moved,
+    "temp_bytes": report.memory.temp_bytes,
+    "fp8_flops_share": report.fp8_flops_share,
+    "roofline_ms": None if roofline is None else roofline["ms"],
+  }
+
+
+def block_study(width: int, out: pathlib.Path | None) -> None:
+  rows = [block_row(policy, width) for policy in BLOCK_POLICIES]
+  base = rows[0]
+  print(f"GPT-2 block, width {width}, 8 x 1024 tokens, gradient step compiled for the H100")
+  print("(no GPU; no autotuning; the roofline is a model, not a measurement)")
+  print("| policy | kernels (+ over bf16) | GB moved (x bf16) | temp MiB (x bf16) | roofline ms |")
+  print("|---|---:|---:|---:|---:|")
+  for r in rows:
+    ms = "-" if r["roofline_ms"] is None else f"{r['roofline_ms']:.3f}"
+    print(
+      f"| {r['policy']} | {r['kernel_count']} ({r['kernel_count'] - base['kernel_count']:+d}) | "
+      f"{r['bytes_moved'] / 1e9:.3f} ({r['bytes_moved'] / base['bytes_moved']:.2f}) | "
+      f"{r['temp_bytes'] / 2**20:.1f} ({r['temp_bytes'] / base['temp_bytes']:.2f}) | {ms} |"
+    )
+  if out is not None:
+    report = {
+      **results.header("fp8_recipes", env="JAX_PLATFORMS=cpu"),
+      "block": {"width": width, "heads": width // 64, "batch": 8, "tokens": 1024},
+      "note": deviceless.ROOFLINE_NOTE,
+      "rows": rows,
+    }
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"JSON: {out}")
+
+
 def _sqnr(x, reference) -> float:
   x, reference = np.asarray(x, np.float64), np.asarray(reference, np.float64)
   return float(10 * np.log10(np.sum(reference**2) / np.sum((x - reference) ** 2)))
@@ -86,8 +154,11 @@ def sqnr_row(policy: str, size: int) -> dict:
   recipe = mpx.get_policy(policy).fp8
   dims = (((1,), (0,)), ((), ()))
   histories = None
-  if recipe.delayed:  # the first step: an empty history takes the current amax
-    histories = tuple(jnp.zeros(recipe.history_length + 1, jnp.float32) for _ in range(3))
+  if recipe.delayed:  # the steady state: histories that recorded these tensors' amaxes
+    histories = tuple(
+      jnp.zeros(recipe.history_length + 1, jnp.float32).at[1].set(np.abs(t).max())
+      for t in (x, w, g)
+    )
 
   def fp8(a, b):
     a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
@@ -115,12 +186,17 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=4096)
   parser.add_argument("--width", type=int, default=1024)
   parser.add_argument("--smoke", action="store_true", help="a 256 x 256 MLP")
+  parser.add_argument("--block", action="store_true", help="one GPT-2 block (--width, 768 here)")
   parser.add_argument(
     "--out",
     type=pathlib.Path,
     help="default: results/fp8_recipes.json; --smoke writes only to --out",
   )
   args = parser.parse_args()
+  if args.block:
+    width = args.width if "--width" in sys.argv else 768
+    block_study(width, args.out)
+    return
   batch, width = (256, 256) if args.smoke else (args.batch, args.width)
   rows, baselines = [], {}
   for policy, target in RECIPES.items():

@@ -14,8 +14,8 @@ does not import Flax.
 
 from mpx._src.ops.amax_grad import fp8_max_grad as fp8_max_grad
 from mpx._src.ops.fp8 import fp8_dot_general as fp8_dot_general
-from mpx._src.ops.fp8 import quantize_dequantize as quantize_dequantize
 from mpx._src.ops.fp8_conv import fp8_conv_general_dilated as fp8_conv_general_dilated
+from mpx._src.ops.quantize import quantize_dequantize as quantize_dequantize
 from mpx._src.scaling.fp8_history import accumulation_boundary as accumulation_boundary
 from mpx._src.scaling.fp8_history import update_fp8_state as update_fp8_state
 

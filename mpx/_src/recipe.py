@@ -28,11 +28,12 @@ class Fp8Recipe:
   * ``"delayed"`` scaling (the recipe of NVIDIA Transformer Engine's
     ``DelayedScaling``): the scale comes from the amaxes recorded in earlier
     steps, ``max`` over the last ``history_length`` or the ``most_recent``
-    one; the current amax is only recorded, so quantising does not wait for
-    it. The history is state (see :func:`update_fp8_state`); while it is
-    empty (the first optimizer step) each tensor's own amax sets its scale,
-    as in current scaling (Transformer Engine uses 1 there, which saturates
-    large values and flushes small gradients to zero in E5M2).
+    non-zero one; the current amax is only recorded, so quantising does not
+    wait for it (XLA quantises in the pass that produces or reads the
+    tensor). The history is state (see :func:`update_fp8_state`); while it
+    is empty (the first optimizer step) the scale is 1, as in Transformer
+    Engine and Flax: for that step large values saturate and small gradients
+    flush to zero in E5M2.
   * ``"rowwise"`` scaling (torchao's rowwise recipe): current scaling with
     one scale per row instead of per tensor. Each operand of each product
     gets a scale per index of the axes the product keeps (per row of the
@@ -68,7 +69,8 @@ class Fp8Recipe:
     scaling: ``"current"``, ``"delayed"``, ``"rowwise"``, ``"mxfp8"`` or ``"blockwise"``.
     history_length: amaxes kept per tensor (delayed scaling).
     reduction: ``"max"`` or ``"most_recent"``: how the history gives the
-      amax that sets the scale (delayed scaling).
+      amax that sets the scale (delayed scaling; zero entries, steps that saw
+      an empty or all-zero tensor, are ignored).
     margin: extra headroom, in powers of two, below the format's max.
     axis_name: a named axis (``pmap``, ``shard_map``) over which the amaxes
       are reduced with ``jax.lax.pmax``, so that devices sharing a tensor

@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from mpx._src import errors
 from mpx._src.audit import report as report_lib
 from mpx._src.audit import targets
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import quantize as quantize_lib
 
 needs_plugin = pytest.mark.skipif(
   not targets.plugin_available(),
@@ -128,7 +128,10 @@ def test_memory_and_kernels_agree_with_an_independent_reading_of_the_same_progra
 def _quantize_dequantize_dot(lhs, rhs, dimension_numbers, precision=None, **unused):
   """The quantise-dequantise fp8 dot (Flax's ``Fp8DotGeneralOp`` form): float8 values, wider operands."""
   e4m3 = jnp.float8_e4m3fn
-  lhs, rhs = fp8_lib.quantize_dequantize(lhs, e4m3), fp8_lib.quantize_dequantize(rhs, e4m3)
+  lhs, rhs = (
+    quantize_lib.quantize_dequantize(lhs, e4m3),
+    quantize_lib.quantize_dequantize(rhs, e4m3),
+  )
   return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision)
 
 

@@ -129,6 +129,16 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype
   assert bytes_by["all-reduce", "float32"] <= 4 * replicated + 64, bytes_by
 
 
+def test_fp8_moves_fewer_bytes_than_bfloat16_under_fsdp():
+  # Weights gathered in float8, gradients reduce-scattered in bfloat16: every collective
+  # of the step together moves fewer bytes than bfloat16's, and no float8 gradient (the
+  # logits gradient of the head, E5M2) is gathered in place of a weight.
+  bf16, _, _ = _compile("mixed_bfloat16")
+  fp8, _, _ = _compile("mixed_float8")
+  assert sum(fp8.values()) < sum(bf16.values()), (fp8, bf16)
+  assert fp8["all-gather", "float8_e5m2"] == 0, fp8
+
+
 # mixed_float8 under FSDP x TP gathers its weights in bfloat16 (docs/guide/multihost.md); its
 # compile, the slowest of these, is left to the docs table.
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])

@@ -17,9 +17,11 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
+from marks import all_but
 
 import mpx
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import fp8_scaling
+from mpx._src.ops import quantize as quantize_lib
 from tests.optax_compat import standard_promotion
 
 FORMATS = [(jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (jnp.float8_e5m2, ml_dtypes.float8_e5m2)]
@@ -49,7 +51,7 @@ def _grid(ml_dtype) -> np.ndarray:
 @pytest.mark.parametrize("source", [jnp.float32, jnp.bfloat16])
 def test_quantize_matches_ml_dtypes_with_saturation_subnormals_and_nan(dtype, ml_dtype, source):
   x = jnp.asarray(_grid(ml_dtype), source)
-  q = np.asarray(fp8_lib.quantize(x, dtype, jnp.float32(1.0)).astype(jnp.float32))
+  q = np.asarray(quantize_lib.quantize(x, dtype, jnp.float32(1.0)).astype(jnp.float32))
   expected = _reference(np.asarray(x.astype(jnp.float32)), ml_dtype)
   np.testing.assert_array_equal(q, expected)  # NaN == NaN here; +-0 compare equal
   top = float(ml_dtypes.finfo(ml_dtype).max)
@@ -65,8 +67,8 @@ def test_quantize_matches_ml_dtypes_with_saturation_subnormals_and_nan(dtype, ml
 
 def test_infinities_follow_the_format():
   x = jnp.array([np.inf, -np.inf], jnp.float32)
-  e4m3 = fp8_lib.quantize(x, jnp.float8_e4m3fn, jnp.float32(1.0)).astype(jnp.float32)
-  e5m2 = fp8_lib.quantize(x, jnp.float8_e5m2, jnp.float32(1.0)).astype(jnp.float32)
+  e4m3 = quantize_lib.quantize(x, jnp.float8_e4m3fn, jnp.float32(1.0)).astype(jnp.float32)
+  e5m2 = quantize_lib.quantize(x, jnp.float8_e5m2, jnp.float32(1.0)).astype(jnp.float32)
   assert np.isnan(np.asarray(e4m3)).all()  # E4M3FN has no infinity
   np.testing.assert_array_equal(np.asarray(e5m2), [np.inf, -np.inf])
 
@@ -76,14 +78,14 @@ def test_infinities_follow_the_format():
 def test_scale_is_the_power_of_two_that_fits_the_amax(dtype, ml_dtype, margin):
   top = float(ml_dtypes.finfo(ml_dtype).max)
   amaxes = np.array([1e-30, 3e-7, 0.5, 1.0, top, top * 2, top * 3, 7e4, 1e30], np.float32)
-  scales = np.asarray(jax.vmap(lambda a: fp8_lib.scale_for(a, dtype, margin=margin))(amaxes))
+  scales = np.asarray(jax.vmap(lambda a: quantize_lib.scale_for(a, dtype, margin=margin))(amaxes))
   mantissa, _ = np.frexp(scales)
   assert (mantissa == 0.5).all()  # powers of two
   limit = top / 2**margin
   assert (amaxes / scales <= limit).all()
   assert (amaxes / scales > limit / 2).all()  # the largest such scale: no bit wasted
   for bad in (0.0, np.inf, np.nan):
-    assert float(fp8_lib.scale_for(jnp.float32(bad), dtype)) == 1.0
+    assert float(quantize_lib.scale_for(jnp.float32(bad), dtype)) == 1.0
 
 
 @pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
@@ -92,7 +94,7 @@ def test_quantize_dequantize_with_current_scaling_is_exact_rounding(dtype, ml_dt
   out = mpx.fp8.quantize_dequantize(x, dtype)
   assert out.dtype == jnp.bfloat16
   x32 = np.asarray(x.astype(jnp.float32))
-  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x32).max()), dtype))
+  scale = float(quantize_lib.scale_for(jnp.float32(np.abs(x32).max()), dtype))
   np.testing.assert_array_equal(
     np.asarray(out.astype(jnp.float32)), _reference(x32 / scale, ml_dtype) * scale
   )
@@ -112,7 +114,7 @@ def test_current_scaling_of_small_float16_tensors_keeps_the_scale_in_float32(dty
   out = mpx.fp8.quantize_dequantize(x, dtype)
   assert out.dtype == jnp.float16 and np.isfinite(np.asarray(out, np.float32)).all()
   x16 = np.asarray(x, np.float32)
-  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
+  scale = float(quantize_lib.scale_for(jnp.float32(np.abs(x16).max()), dtype))
   expected = (_reference(x16 / scale, ml_dtype).astype(np.float64) * scale).astype(np.float16)
   np.testing.assert_array_equal(np.asarray(out), expected)
 
@@ -156,7 +158,7 @@ def _operands():
 
 def _qdq_np(x, ml_dtype) -> np.ndarray:
   x = np.asarray(jnp.asarray(x).astype(jnp.float32))
-  scale = float(fp8_lib.scale_for(jnp.float32(np.abs(x).max()), ml_dtype))
+  scale = float(quantize_lib.scale_for(jnp.float32(np.abs(x).max()), ml_dtype))
   return _reference(x / scale, ml_dtype) * scale
 
 
@@ -231,7 +233,9 @@ def test_fp8_dot_general_handles_batch_and_several_contracting_axes(lhs_shape, r
 
 
 @pytest.mark.parametrize(
-  "lhs_shape,rhs_shape,dims,_", _GENERAL_DOTS, ids=[d[3] for d in _GENERAL_DOTS]
+  "lhs_shape,rhs_shape,dims,_",
+  all_but(_GENERAL_DOTS, _GENERAL_DOTS[2]),
+  ids=[d[3] for d in _GENERAL_DOTS],
 )
 def test_mxfp8_handles_batch_and_several_contracting_axes(lhs_shape, rhs_shape, dims, _):
   # Blocks along flattened contractions, padded to 32: close to float32 for every layout.
@@ -255,7 +259,7 @@ def _rows_qdq(x, axis):
   """x rounded to E4M3 with a power-of-two scale per index of the axes other than ``axis``."""
   x = np.asarray(x, np.float32)
   amax = np.max(np.abs(x), axis=axis, keepdims=True)
-  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  scale = np.asarray(quantize_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
   return _reference(x / scale, ml_dtypes.float8_e4m3fn) * scale, scale
 
 
@@ -293,14 +297,16 @@ def _blocks_qdq(x, axis, size=32):
   shape = padded.shape
   blocks = np.moveaxis(padded, axis, -1).reshape(*np.delete(shape, axis), -1, size)
   amax = np.max(np.abs(blocks), axis=-1, keepdims=True)
-  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  scale = np.asarray(quantize_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
   scale = np.maximum(scale, 2.0**-127) if size == 32 else scale
   rounded = _reference(blocks / scale, ml_dtypes.float8_e4m3fn) * scale
   rounded = np.moveaxis(rounded.reshape(*np.delete(shape, axis), shape[axis]), -1, axis)
   return rounded[tuple(slice(0, n) for n in x.shape)]
 
 
-@pytest.mark.parametrize("m,k,n", [(64, 96, 32), (20, 50, 10)], ids=["aligned", "padded"])
+@pytest.mark.parametrize(
+  "m,k,n", all_but([(64, 96, 32), (20, 50, 10)], (20, 50, 10)), ids=["aligned", "padded"]
+)
 def test_mxfp8_forward_and_backward_match_a_numpy_reference(m, k, n):
   rng = np.random.default_rng(6)
   # Magnitudes that change every few elements: each block of 32 gets its own scale.
@@ -333,12 +339,14 @@ def _tiles_qdq(w, size=128):
   padded = np.pad(w, [(0, -rows % size), (0, -cols % size)])
   tiles = padded.reshape(padded.shape[0] // size, size, padded.shape[1] // size, size)
   amax = np.max(np.abs(tiles), axis=(1, 3), keepdims=True)
-  scale = np.asarray(fp8_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
+  scale = np.asarray(quantize_lib.scale_for(jnp.asarray(amax), jnp.float8_e4m3fn))
   rounded = (_reference(tiles / scale, ml_dtypes.float8_e4m3fn) * scale).reshape(padded.shape)
   return rounded[:rows, :cols]
 
 
-@pytest.mark.parametrize("m,k,n", [(128, 256, 128), (100, 200, 130)], ids=["aligned", "padded"])
+@pytest.mark.parametrize(
+  "m,k,n", all_but([(128, 256, 128), (100, 200, 130)], (100, 200, 130)), ids=["aligned", "padded"]
+)
 def test_blockwise_forward_and_backward_match_a_numpy_reference(m, k, n):
   rng = np.random.default_rng(7)
   # lhs: magnitudes that change every 64 columns, so that 1 x 128 blocks differ from rows;
@@ -366,8 +374,18 @@ def test_blockwise_forward_and_backward_match_a_numpy_reference(m, k, n):
   assert not np.allclose(np.asarray(out, np.float64), per_block, rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("scaling", ["current", "rowwise"])
-@pytest.mark.parametrize("keep", ["weight_grad", "all"])
+@pytest.mark.parametrize(
+  ("keep", "scaling"),
+  all_but(
+    [
+      ("all", "current"),
+      ("weight_grad", "current"),
+      ("all", "rowwise"),
+      ("weight_grad", "rowwise"),
+    ],
+    ("all", "current"),
+  ),
+)
 def test_kept_backward_products_multiply_the_dequantised_operands_in_bfloat16(keep, scaling):
   lhs, rhs = _operands()
   g = jnp.asarray(np.random.default_rng(3).standard_normal((8, 16)) * 1e-6, jnp.bfloat16)
@@ -425,7 +443,10 @@ def _with_outliers(rng, shape, scale, rows, columns):
 
 @pytest.mark.parametrize(
   "scaling,target",
-  [("current", 20), ("delayed", 20), ("rowwise", 25), ("mxfp8", 25), ("blockwise", 25)],
+  all_but(
+    [("current", 20), ("delayed", 20), ("rowwise", 25), ("mxfp8", 25), ("blockwise", 25)],
+    ("current", 20),
+  ),
 )
 def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(scaling, target):
   # torchao's criterion: SQNR against float32 of the output and both gradients,
@@ -436,7 +457,9 @@ def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(s
   w = (rng.standard_normal((512, 256)) * 0.02).astype(np.float32)
   g = _with_outliers(rng, (256, 256), 1e-3, 30.0, 1.0)
   recipe = mpx.Fp8Recipe(scaling)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3)) if recipe.delayed else None
+  state = None
+  if recipe.delayed:  # the steady state: histories that recorded these tensors' amaxes
+    state = tuple(fp8_scaling.init_history(recipe).at[1].set(np.abs(t).max()) for t in (x, w, g))
 
   def fp8(a, b):
     a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
@@ -453,7 +476,7 @@ def test_outputs_and_gradients_reach_the_sqnr_targets_on_tensors_with_outliers(s
 def test_delayed_state_gradient_is_the_observed_amax():
   lhs, rhs = _operands()
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  state = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
   g = jnp.full((8, 16), 3.0, jnp.bfloat16)
 
   def loss(state):
@@ -473,10 +496,14 @@ def test_delayed_state_gradient_is_the_observed_amax():
 def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
   recipe = mpx.Fp8Recipe("delayed", history_length=3, reduction=reduction, margin=margin)
   history = jnp.array([5e4, 100.0, 1000.0, 10.0])  # the pending slot is never read
-  scale = fp8_lib._history_scale(history, fp8_lib.E4M3, recipe)
-  assert float(scale) == float(fp8_lib.scale_for(jnp.float32(expected_amax), fp8_lib.E4M3))
+  scale = fp8_scaling.history_scale(history, quantize_lib.E4M3, recipe)
+  assert float(scale) == float(
+    quantize_lib.scale_for(jnp.float32(expected_amax), quantize_lib.E4M3)
+  )
   with_margin = dataclasses.replace(recipe, margin=2)
-  assert float(fp8_lib._history_scale(history, fp8_lib.E4M3, with_margin)) == 4 * float(scale)
+  assert float(fp8_scaling.history_scale(history, quantize_lib.E4M3, with_margin)) == 4 * float(
+    scale
+  )
 
 
 def test_delayed_scale_ignores_the_current_tensor():
@@ -484,40 +511,54 @@ def test_delayed_scale_ignores_the_current_tensor():
   # beyond E4M3's max saturates this step, and is recorded for the next one.
   # Current scaling would have fitted it.
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
-  empty = fp8_lib.init_history(recipe)
+  empty = fp8_scaling.init_history(recipe)
   lhs = jnp.array([[960.0, 1.0]], jnp.float32)  # 960 = 240 * 4, exact in E4M3 at scale 4
   rhs = jnp.ones((2, 1), jnp.float32)
   small = (jnp.array([0.0, 240.0, 0.0]), empty, empty)
-  delayed = mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=small)
-  current = mpx.fp8.fp8_dot_general(lhs, rhs, DIMS)
+  filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
+
+  @jax.jit  # one compile for the three products (op by op, each cast compiles)
+  def products(small, filled):
+    dot = functools.partial(mpx.fp8.fp8_dot_general, lhs, rhs, DIMS)
+    return dot(recipe=recipe, state=small), dot(), dot(recipe=recipe, state=filled)
+
+  delayed, current, refitted = products(small, filled)
   assert float(delayed[0, 0]) == 448.0 + 1.0
   assert float(current[0, 0]) == 960.0 + 1.0
-  filled = (jnp.array([0.0, 960.0, 0.0]), empty, empty)
-  assert float(mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe, state=filled)[0, 0]) == 961.0
+  assert float(refitted[0, 0]) == 961.0
 
 
 @pytest.mark.parametrize("reduction", ["max", "most_recent"])
-def test_the_first_delayed_step_scales_like_current_scaling(reduction):
-  # An empty history bootstraps from each tensor's own amax, instead of scale 1
-  # (which saturates 960 and flushes the 1e-6 gradients to zero in E5M2).
+def test_delayed_scaling_is_current_scaling_with_the_amaxes_recorded_and_scale_one_before(
+  reduction,
+):
+  # A history holding each tensor's own amax gives current scaling's products, bit for
+  # bit. An empty one (the first step) gives scale 1, known before the tensor is read
+  # (as in Transformer Engine and Flax): 960 saturates at 448 and the 1e-6 gradients,
+  # below E5M2's smallest subnormal (2**-16), flush to zero.
   recipe = mpx.Fp8Recipe("delayed", history_length=2, reduction=reduction)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
   lhs = jnp.array([[960.0, 1.0], [3.0, -2.0]], jnp.float32)
   rhs = jnp.array([[0.5], [0.25]], jnp.float32)
   g = jnp.array([[1e-6], [-3e-6]], jnp.float32)
+  empty = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
+  # Older entries smaller than the most recent: both reductions read the amax.
+  recorded = tuple(jnp.array([0.0, float(jnp.abs(t).max()), 1e-12]) for t in (lhs, rhs, g))
 
+  @functools.partial(jax.jit, static_argnums=0)
   def run(recipe, state):
     out, pullback = jax.vjp(
       lambda a, b: mpx.fp8.fp8_dot_general(a, b, DIMS, recipe=recipe, state=state), lhs, rhs
     )
     return out, *pullback(g)
 
-  delayed = jax.jit(run, static_argnums=0)(recipe, state)
-  current = jax.jit(run, static_argnums=0)(mpx.Fp8Recipe("current"), None)
+  delayed, current = run(recipe, recorded), run(mpx.Fp8Recipe("current"), None)
   for d, c in zip(delayed, current, strict=True):
     np.testing.assert_array_equal(np.asarray(d), np.asarray(c))
   assert float(delayed[0][0, 0]) == 960.0 * 0.5 + 0.25
   assert np.asarray(delayed[2]).any()  # the weight gradient is not flushed to zero
+  first = run(recipe, empty)
+  assert float(first[0][0, 0]) == 448.0 * 0.5 + 0.25
+  assert not np.asarray(first[2]).any()
 
 
 def test_update_rolls_commits_and_keeps_a_running_max():
@@ -538,7 +579,46 @@ def test_update_rolls_commits_and_keeps_a_running_max():
   chex.assert_trees_all_equal(jax.tree.map(lambda x: x, out), out)
 
 
-@pytest.mark.parametrize("commit", [True, False])
+@pytest.mark.parametrize(
+  "scaling",
+  all_but(["current", "delayed", "rowwise", "mxfp8", "blockwise"], "current", "delayed", "mxfp8"),
+)
+def test_an_empty_batch_runs_every_recipe_and_records_nothing(scaling):
+  # The last batch of a sharded epoch may be empty: empty products, zero weight
+  # gradients, and (delayed) no amax recorded for the empty tensors.
+  recipe = mpx.Fp8Recipe(scaling, history_length=2)
+  empty = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
+  before = (jnp.array([0.0, 5.0, 3.0]), jnp.array([0.0, 1.0, 1.0]), jnp.array([0.0, 2.0, 1.0]))
+  state = before if recipe.delayed else None
+  x = jnp.zeros((0, 32), jnp.bfloat16)
+  w = jnp.full((32, 16), 0.5, jnp.bfloat16)
+
+  @jax.jit
+  def run(x, w, state):
+    def loss(x, w, state):
+      return jnp.sum(mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state))
+
+    out = mpx.fp8.fp8_dot_general(x, w, DIMS, recipe=recipe, state=state)
+    return out, jax.grad(loss, argnums=(0, 1, 2))(x, w, state)
+
+  out, (gx, gw, observed) = run(x, w, state)
+  assert out.shape == (0, 16) and gx.shape == (0, 32) and gw.shape == w.shape
+  assert not np.asarray(gw.astype(jnp.float32)).any()
+  if recipe.delayed:
+    assert [float(o[0]) for o in observed] == [0.0, 0.5, 0.0]
+    after = mpx.fp8.update_fp8_state(before, observed)
+    # The empty tensors' zero amax is recorded, and the next step's scales do not see it.
+    np.testing.assert_array_equal(np.asarray(after[0]), [0.0, 0.0, 5.0])
+    np.testing.assert_array_equal(np.asarray(after[1]), [0.0, 0.5, 1.0])  # the weight's amax
+    for reduction in ("max", "most_recent"):
+      r = dataclasses.replace(recipe, reduction=reduction)
+      for old, new in ((before[0], after[0]), (before[2], after[2])):
+        old_scale = fp8_scaling.history_scale(old, quantize_lib.E4M3, r)
+        assert float(fp8_scaling.history_scale(new, quantize_lib.E4M3, r)) == float(old_scale)
+    assert float(fp8_scaling.history_scale(empty[0], quantize_lib.E4M3, recipe)) == 1.0
+
+
+@pytest.mark.parametrize("commit", all_but([True, False], True))
 def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
   rng = np.random.default_rng(5)
@@ -553,19 +633,21 @@ def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   assert out.shape == stacked.shape and out.dtype == stacked.dtype
   np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
-  assert fp8_lib.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
-  scales = jax.vmap(jax.vmap(lambda h: fp8_lib._history_scale(h, fp8_lib.E4M3, recipe)))(stacked)
+  assert fp8_scaling.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
+  scales = jax.vmap(jax.vmap(lambda h: fp8_scaling.history_scale(h, quantize_lib.E4M3, recipe)))(
+    stacked
+  )
   np.testing.assert_array_equal(
-    np.asarray(fp8_lib._history_scale(stacked, fp8_lib.E4M3, recipe)), np.asarray(scales)
+    np.asarray(fp8_scaling.history_scale(stacked, quantize_lib.E4M3, recipe)), np.asarray(scales)
   )
 
 
-@pytest.mark.parametrize("jit", [True, False], ids=["jit", "eager"])
+@pytest.mark.parametrize("jit", all_but([True, False], True), ids=["jit", "eager"])
 def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
   # Weight sharing: one set of histories, three calls with lhs amaxes 2, 4, 3,
   # rhs amaxes 1, 1/2, 1/4 and gradient amaxes 5, 7, 6. A sum would record 9, 1.75, 18.
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  state = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
   rhs = jnp.ones((2, 1), jnp.float32)
 
   def loss(state):
@@ -588,7 +670,7 @@ def test_a_history_shared_by_several_calls_records_the_max_amax(jit):
 
 def test_a_scan_over_a_shared_weight_records_the_max_amax_over_iterations():
   recipe = mpx.Fp8Recipe("delayed", history_length=2)
-  state = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  state = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
   xs = jnp.array([[[2.0, 1.0]], [[5.0, 1.0]], [[3.0, 1.0]]])  # amaxes 2, 5, 3
   w = jnp.full((2, 1), 0.5)
 
@@ -624,7 +706,7 @@ class _SharedNnx(nnx.Module):
     return sum(self.dense(x) for x in xs)
 
 
-@pytest.mark.parametrize("adapter", ["linen", "nnx"])
+@pytest.mark.parametrize("adapter", all_but(["linen", "nnx"], "nnx"))
 def test_a_shared_flax_layer_records_the_max_amax_with_fp8_max_grad(adapter):
   xs = [jnp.full((1, 2), a) for a in (2.0, 4.0, 3.0)]
   if adapter == "linen":
@@ -657,7 +739,7 @@ def test_amax_is_reduced_over_a_named_axis():
   rhs = jnp.ones((8, 2), jnp.bfloat16)
 
   def on_device(lhs):
-    scale = fp8_lib.scale_for(fp8_lib.amax(lhs, recipe.axis_name), fp8_lib.E4M3)
+    scale = quantize_lib.scale_for(quantize_lib.amax(lhs, recipe.axis_name), quantize_lib.E4M3)
     return scale, mpx.fp8.fp8_dot_general(lhs, rhs, DIMS, recipe=recipe)
 
   scales, out = jax.jit(jax.vmap(on_device, axis_name="devices"))(lhs)
@@ -744,16 +826,23 @@ def _nnx_loss(policy):
   return loss, params, history
 
 
-@pytest.mark.parametrize("make", [_linen_loss, _nnx_loss], ids=["linen", "nnx"])
-@pytest.mark.parametrize(
-  "policy",
-  [
+_ADAPTER_CASES = [
+  (make, policy)
+  for make in (_linen_loss, _nnx_loss)
+  for policy in (
     "mixed_float8",
     "mixed_float8_delayed",
     "mixed_float8_rowwise",
     "mixed_mxfp8",
     "mixed_float8_blockwise",
-  ],
+  )
+]
+
+
+@pytest.mark.parametrize(
+  ("make", "policy"),
+  all_but(_ADAPTER_CASES, (_linen_loss, "mixed_float8_delayed"), (_nnx_loss, "mixed_float8")),
+  ids=[f"{policy}-{make.__name__[1:-5]}" for make, policy in _ADAPTER_CASES],
 )
 def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy):
   loss, params, history = make(policy)
@@ -780,6 +869,55 @@ def test_every_dense_and_einsum_matmul_is_float8_except_kept_layers(make, policy
     assert sorted(flag.removeprefix("fp8:").split(",")) == sorted(
       f.removeprefix("float8_") for f in formats
     )
+
+
+# Flax's Fp8Test.test_fp8_einsum (tests/linen/linen_test.py) under mpx's API: a linen
+# Einsum under each per-tensor fp8 policy, operands exactly representable in float8 (as
+# Flax casts them), against jnp.einsum. Delayed scaling outside jax.jit hashed its
+# histories into jnp.einsum's static contraction and raised.
+_FLAX_EINSUMS = [
+  ((16, 32), (32, 64), (16, 64), "mk,kn->mn"),
+  ((2, 3, 32), (64, 32), (2, 3, 64), "...k,nk->...n"),
+  ((2, 3, 64), (64, 32), (2, 3, 32), "...k,kn->...n"),
+]
+
+
+_FLAX_EINSUM_CASES = [
+  (*shapes, policy, jit)
+  for shapes in _FLAX_EINSUMS
+  for policy in ("mixed_float8", "mixed_float8_delayed")
+  for jit in (True, False)
+]
+
+
+# One case in the fast suite (the one that raised), the others in CI's slow pass.
+@pytest.mark.parametrize(
+  ("x_shape", "y_shape", "g_shape", "eqn", "policy", "jit"),
+  all_but(_FLAX_EINSUM_CASES, (*_FLAX_EINSUMS[0], "mixed_float8_delayed", False)),
+  ids=[f"{c[3]}-{c[4]}-{'jit' if c[5] else 'eager'}" for c in _FLAX_EINSUM_CASES],
+)
+def test_flax_fp8_einsum_cases(x_shape, y_shape, g_shape, eqn, policy, jit):
+  _, key1, key2, key3 = jax.random.split(jax.random.key(42), 4)
+  one = jnp.float32(1.0)
+  x = mpx.fp8.quantize_dequantize(jax.random.normal(key1, x_shape), jnp.float8_e4m3fn, scale=one)
+  y = mpx.fp8.quantize_dequantize(jax.random.normal(key2, y_shape), jnp.float8_e4m3fn, scale=one)
+  g = mpx.fp8.quantize_dequantize(jax.random.normal(key3, g_shape), jnp.float8_e5m2, scale=one)
+  layer = mpx.linen.apply_policy(nn.Einsum(y_shape, eqn, use_bias=False), policy)
+  variables = layer.init(jax.random.key(0), x)
+  assert ("fp8_history" in variables) == policy.endswith("delayed")
+
+  def loss(y, x):
+    out = layer.apply({**variables, "params": {"kernel": y}}, x)
+    return jnp.sum(out.astype(jnp.float32) * g)
+
+  def loss_ref(y, x):
+    return jnp.sum(jnp.einsum(eqn, x, y, precision="highest") * g)
+
+  step = jax.value_and_grad(loss, argnums=(0, 1))
+  value, grads = (jax.jit(step) if jit else step)(y, x)
+  value_ref, grads_ref = jax.jit(jax.value_and_grad(loss_ref, argnums=(0, 1)))(y, x)
+  for got, want in ((value, value_ref), *zip(grads, grads_ref, strict=True)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-2, rtol=1e-2)
 
 
 def test_linen_and_nnx_fp8_outputs_match_a_manual_float8_layer():
@@ -865,7 +1003,7 @@ def test_a_skipped_step_leaves_the_fp8_history_untouched(use_opt_state):
   recipe = mpx.Fp8Recipe("delayed", history_length=3)
   tx = mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8)
   params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
-  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  history = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
   opt_state = tx.init(params)
   step = _float16_fp8_step(tx, recipe, use_opt_state)
   params, history, opt_state = step(params, history, opt_state, _X16)
@@ -895,7 +1033,7 @@ def test_a_skipped_multisteps_boundary_leaves_the_fp8_history_untouched():
     mpx.dynamic_loss_scale(optax.sgd(1e-3), initial_scale=2.0**8), every_k_schedule=2
   )
   params = {"w": jnp.full((8, 2), 0.5, jnp.float32)}
-  history = tuple(fp8_lib.init_history(recipe) for _ in range(3))
+  history = tuple(fp8_scaling.init_history(recipe) for _ in range(3))
   opt_state = tx.init(params)
   step = _float16_fp8_step(tx, recipe, use_opt_state=True)
   for x in (_X16, _X16):  # one good accumulation: one commit
@@ -930,6 +1068,7 @@ def test_delayed_state_survives_an_orbax_round_trip(tmp_path):
   assert any(float(h[1]) > 0 for h in jax.tree.leaves(restored))
 
 
+@pytest.mark.slow  # a whole train step; the adapters' float8 coverage is pinned above
 @pytest.mark.parametrize("attention", [True, False])
 def test_gpt_train_step_runs_its_matmul_flops_in_float8(attention):
   from mpx.demo import DEFAULT_SETTINGS as DEFAULT
@@ -990,7 +1129,7 @@ _SHARDED = """
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import mpx
-from mpx._src.ops import fp8
+from mpx._src.ops import fp8_scaling as fp8
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 assert jax.device_count() == 2, jax.devices()
@@ -1012,6 +1151,7 @@ print("ok")
 """
 
 
+@pytest.mark.slow  # a subprocess with two host devices
 def test_sharded_jit_reduces_the_amax_over_all_devices():
   env = {
     **os.environ,

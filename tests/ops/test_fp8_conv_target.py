@@ -79,8 +79,20 @@ def _audit(make, policy):
     return report_lib.audit(step, variables, x, target="h100")
 
 
-@pytest.mark.parametrize("make", [_linen_step, _nnx_step], ids=["linen", "nnx"])
-@pytest.mark.parametrize("policy", ["mixed_float8", "mixed_float8_delayed"])
+@pytest.mark.parametrize(
+  ("make", "policy"),
+  [
+    pytest.param(_linen_step, "mixed_float8_delayed", id="mixed_float8_delayed-linen"),
+    *(
+      pytest.param(make, policy, id=f"{policy}-{name}", marks=pytest.mark.slow)
+      for policy, make, name in (
+        ("mixed_float8", _linen_step, "linen"),
+        ("mixed_float8", _nnx_step, "nnx"),
+        ("mixed_float8_delayed", _nnx_step, "nnx"),
+      )
+    ),
+  ],
+)
 def test_every_convolution_of_an_fp8_policy_is_float8_on_an_h100(make, policy):
   report = _audit(make, policy)
   assert report.fp8_flops_share == 1.0 and not report.lost

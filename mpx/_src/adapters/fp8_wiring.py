@@ -114,7 +114,32 @@ def einsum(recipe: recipe_lib.Fp8Recipe, state: History | None = None) -> Callab
   Returns:
     An ``einsum``.
   """
-  return functools.partial(jnp.einsum, _dot_general=dot_general(recipe, state))
+  if state is None:
+    return functools.partial(jnp.einsum, _dot_general=dot_general(recipe))
+  return functools.partial(_einsum_with_state, state, recipe=recipe)
+
+
+def _einsum_with_state(
+  state: History, subscripts: str, *operands: jax.Array, recipe: recipe_lib.Fp8Recipe, **kwargs: Any
+) -> jax.Array:
+  # jnp.einsum takes its contraction as a static argument, hashed by its jit: the
+  # histories go through a jit of their own instead, traced like the operands. (Bound
+  # into the static contraction they were hashed, which failed outside jax.jit, where
+  # they are concrete arrays; and each call would have compiled anew.)
+  options = tuple(sorted(kwargs.items()))
+  return _traced_einsum(state, operands, subscripts=subscripts, recipe=recipe, options=options)
+
+
+@functools.partial(jax.jit, static_argnames=("subscripts", "recipe", "options"))
+def _traced_einsum(
+  state: History,
+  operands: tuple[jax.Array, ...],
+  *,
+  subscripts: str,
+  recipe: recipe_lib.Fp8Recipe,
+  options: tuple[tuple[str, Any], ...],
+) -> jax.Array:
+  return jnp.einsum(subscripts, *operands, _dot_general=dot_general(recipe, state), **dict(options))
 
 
 def attention_fn(recipe: recipe_lib.Fp8Recipe, current: Any) -> Callable[..., Any] | None:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from mpx._src import errors
 from mpx._src import recipe as recipe_lib
 from mpx._src.adapters import fp8_wiring
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import fp8_scaling
 
 FP8_COLLECTION = "fp8_history"
 """The linen collection that holds the amax histories of delayed fp8 scaling."""
@@ -101,7 +101,7 @@ class Fp8DotGeneral(nn.Module):
 def _histories(module: nn.Module, recipe: recipe_lib.Fp8Recipe) -> fp8_wiring.History:
   """The layer's amax histories in the ``"fp8_history"`` collection (made on ``init``)."""
   lhs, rhs, grad = (
-    module.variable(FP8_COLLECTION, name, fp8_lib.init_history, recipe).value
+    module.variable(FP8_COLLECTION, name, fp8_scaling.init_history, recipe).value
     for name in fp8_wiring.HISTORY_NAMES
   )
   return lhs, rhs, grad

@@ -19,7 +19,7 @@ from flax import nnx
 
 from mpx._src import recipe as recipe_lib
 from mpx._src.adapters import fp8_wiring
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import fp8_scaling
 
 
 class Fp8History(nnx.Variable):
@@ -49,7 +49,7 @@ class Fp8DotGeneral(nnx.Module):
   def __init__(self, recipe: recipe_lib.Fp8Recipe, *, batch_shape: tuple[int, ...] = ()) -> None:
     self.recipe = recipe
     for name in fp8_wiring.HISTORY_NAMES:
-      setattr(self, name, Fp8History(fp8_lib.init_history(recipe, batch_shape=batch_shape)))
+      setattr(self, name, Fp8History(fp8_scaling.init_history(recipe, batch_shape=batch_shape)))
 
   def _histories(self) -> fp8_wiring.History:
     lhs, rhs, grad = (getattr(self, name)[...] for name in fp8_wiring.HISTORY_NAMES)

@@ -55,9 +55,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src.ops import fp8 as fp8_lib
+from mpx._src.ops import fp8_scaling
 from mpx._src.ops.amax_grad import fp8_max_grad
 from mpx._src.ops.quantize import E4M3, E5M2, amax, dequantize, quantize
+from mpx._src.ops.scaled_dot import scaled_dot
 from mpx._src.recipe import Fp8Recipe
 
 Pads = tuple[tuple[int, int], ...]
@@ -203,9 +204,7 @@ def _weight_grad(
       xq.shape[-1],
     ]
     window = jax.lax.slice(x_padded, start, limit, (1, *strides, 1))
-    taps.append(
-      fp8_lib._scaled_dot(window, x_scale, gq, g_scale, dims, None, np.dtype(np.float32))  # pyright: ignore[reportPrivateUsage]
-    )
+    taps.append(scaled_dot(window, x_scale, gq, g_scale, dims, None, np.dtype(np.float32)))
   return jnp.stack(taps).reshape(*kernel, *taps[0].shape)
 
 
@@ -233,9 +232,8 @@ def _fp8_conv_fwd(
   w: jax.Array,
   states: tuple[jax.Array, ...] | None,
 ) -> tuple[jax.Array, Any]:
-  amaxes = [amax(x, recipe.axis_name), amax(w, recipe.axis_name)]
   histories = None if states is None else states[:2]
-  x_scale, w_scale = fp8_lib._scales(recipe, histories, (x, w), amaxes, E4M3)  # pyright: ignore[reportPrivateUsage]
+  (x_scale, w_scale), amaxes = fp8_scaling.operand_scales(recipe, histories, (x, w), E4M3)
   xq, wq = quantize(x, E4M3, x_scale), quantize(w, E4M3, w_scale)
   out = _float8_conv(xq, x_scale, wq, w_scale, strides, pads, dilation).astype(dtypes[2])
   # cuDNN's float8 convolution writes float32; materialise the rounded output here, or XLA
@@ -245,10 +243,11 @@ def _fp8_conv_fwd(
   kernel_history = None if states is None else states[1:2]
   # The input gradient multiplies the kernel in E5M2, like the gradient (see the module
   # docstring); the kernel is small, so it is rounded a second time, from itself.
-  (w5_scale,) = fp8_lib._scales(recipe, kernel_history, [w], amaxes[1:], E5M2)  # pyright: ignore[reportPrivateUsage]
+  (w5_scale,), _ = fp8_scaling.operand_scales(recipe, kernel_history, [w], E5M2)
   w5 = quantize(w, E5M2, w5_scale)
+  g_scale = None if states is None else fp8_scaling.history_scale(states[2], E5M2, recipe)
   # The float8 operands are the residuals, as for the dot: the backward products take them as they are.
-  return out, (xq, wq, x_scale, w_scale, w5, w5_scale, amaxes, states)
+  return out, (xq, wq, x_scale, w_scale, w5, w5_scale, g_scale, amaxes, states)
 
 
 def _fp8_conv_bwd(
@@ -260,11 +259,10 @@ def _fp8_conv_bwd(
   residuals: Any,
   g: jax.Array,
 ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...] | None]:
-  xq, wq, x_scale, w_scale, w5, w5_scale, amaxes, states = residuals
+  xq, wq, x_scale, w_scale, w5, w5_scale, g_scale, amaxes, states = residuals
   n = xq.ndim - 2
-  g_amax = amax(g, recipe.axis_name)
-  histories = None if states is None else states[2:]
-  (g_scale,) = fp8_lib._scales(recipe, histories, [g], [g_amax], E5M2)  # pyright: ignore[reportPrivateUsage]
+  if states is None:
+    (g_scale,), _ = fp8_scaling.operand_scales(recipe, None, [g], E5M2)
   gq = quantize(g, E5M2, g_scale)
   dx = _input_grad(gq, g_scale, w5, w5_scale, xq.shape[1:-1], strides, pads, dilation)
   dw = _weight_grad(xq, x_scale, gq, g_scale, wq.shape[:n], strides, pads, dilation)
@@ -282,9 +280,8 @@ def _fp8_conv_bwd(
   dx, dw = dx.astype(dtypes[0]), dw.astype(dtypes[1])
   if states is None:
     return dx, dw, None
-  observed = [*amaxes, g_amax]
-  cotangents = tuple(fp8_lib._observed(h, v) for h, v in zip(states, observed, strict=True))  # pyright: ignore[reportPrivateUsage]
-  return dx, dw, cotangents
+  seen = [*amaxes, amax(g, recipe.axis_name)]
+  return dx, dw, tuple(fp8_scaling.observed(h, v) for h, v in zip(states, seen, strict=True))
 
 
 _fp8_conv.defvjp(_fp8_conv_fwd, _fp8_conv_bwd)
@@ -386,7 +383,7 @@ def fp8_conv_general_dilated(
     ConfigError: a delayed recipe without state, or state without one.
   """
   del unused
-  recipe = fp8_lib.checked_recipe(recipe, state)
+  recipe = fp8_scaling.checked_recipe(recipe, state)
   dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
   features = (rhs.shape[dn.rhs_spec[1]], rhs.shape[dn.rhs_spec[0]])
   if not covers(

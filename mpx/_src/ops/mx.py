@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src.ops.quantize import E4M3, quantize, scale_for
+from mpx._src.ops.quantize import E4M3, quantize, tensor_scale
 from mpx._src.recipe import Fp8Recipe
 
 BLOCK = 32
@@ -47,7 +47,6 @@ TILE = 128
 """Elements per scale along the contracted axis (and per side of a weight tile), blockwise."""
 
 E8M0 = np.dtype(jnp.float8_e8m0fnu)
-_SMALLEST_E8M0 = 2.0**-127
 
 
 class _Blocking(NamedTuple):
@@ -96,12 +95,6 @@ def _round_up(n: int, size: int) -> int:
   return -(-n // size) * size
 
 
-def _block_scale(value: jax.Array, margin: int, scale_dtype: np.dtype) -> jax.Array:
-  """The float32 power-of-two scale of blocks of amax ``value``, within E8M0's range if that is the scale's format."""
-  scale = scale_for(value, E4M3, margin=margin)
-  return jnp.maximum(scale, jnp.float32(_SMALLEST_E8M0)) if scale_dtype == E8M0 else scale
-
-
 def block_quantize(
   x: jax.Array,
   axis: int,
@@ -125,8 +118,8 @@ def block_quantize(
   """
   shape = x.shape
   blocks = x.reshape((*shape[:axis], shape[axis] // size, size, *shape[axis + 1 :]))
-  value = jnp.max(jnp.abs(blocks), axis=axis + 1, keepdims=True).astype(jnp.float32)
-  scale = _block_scale(value, margin, np.dtype(scale_dtype))
+  # Within E8M0's range, like every scale of tensor_scale ([2**-126, 2**127]).
+  scale = tensor_scale(blocks, E4M3, margin=margin, axis=axis + 1)
   q = quantize(blocks, E4M3, scale).reshape(shape)
   return q, jnp.squeeze(scale, axis + 1).astype(scale_dtype)
 
@@ -151,8 +144,7 @@ def tile_quantize(
   """
   batch, rows, cols = x.shape
   tiles = x.reshape(batch, rows // size, size, cols // size, size)
-  value = jnp.max(jnp.abs(tiles), axis=(2, 4), keepdims=True).astype(jnp.float32)
-  scale = _block_scale(value, margin, np.dtype(np.float32))
+  scale = tensor_scale(tiles, E4M3, margin=margin, axis=(2, 4))
   q = quantize(tiles, E4M3, scale).reshape(x.shape)
   scale = scale[:, :, 0, :, 0]  # (batch, rows / size, cols / size)
   return q, jnp.repeat(scale, size, axis=1), jnp.repeat(scale, size, axis=2)
@@ -161,6 +153,10 @@ def tile_quantize(
 def _block_scaled_dot(
   a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array], dimension_numbers: Any
 ) -> jax.Array:
+  if not (a[0].size and b[0].size):
+    # An empty batch (the last step of a sharded epoch): scaled_dot divides by the
+    # block count; the plain product of no elements is the same zeros (or nothing).
+    return jax.lax.dot_general(a[0], b[0], dimension_numbers, preferred_element_type=jnp.float32)
   return jax.lax.scaled_dot(
     a[0],
     b[0],

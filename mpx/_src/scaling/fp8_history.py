@@ -42,7 +42,10 @@ def update_fp8_state(
   batch would have seen), not the last one; non-finite amaxes are left out.
   With ``commit`` the pending amax becomes the most recent entry, the others
   move down one place, the oldest drops and the pending slot is reset to
-  zero.
+  zero. A zero amax (an empty tensor, as in the last batch of a sharded epoch,
+  or an all-zero one, which any scale represents) is recorded like any other;
+  the scale ignores zero entries (``reduction="most_recent"`` takes the most
+  recent non-zero one).
 
   Pass ``opt_state``, the optimizer state ``tx.update`` just returned: it
   says whether this step ends an ``optax.MultiSteps`` accumulation (commit)

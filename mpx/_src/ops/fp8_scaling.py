@@ -1,0 +1,138 @@
+"""The per-tensor scales of the float8 dot and convolution: current scaling, and delayed scaling's histories.
+
+Delayed scaling keeps, per tensor, one float32 array of ``history_length + 1``
+entries: ``[pending, most recent, ..., oldest]``. The forward pass reads the
+committed part to choose the scale; the amax each call observes comes back as
+the *gradient* of the pending slot, combined over the calls that share a
+history by ``max`` (:func:`mpx.fp8.fp8_max_grad`), and
+:func:`mpx.fp8.update_fp8_state` folds it in between steps.
+
+Each scale is known before the tensor it scales is read:
+
+* delayed scaling's comes from the history alone, so XLA fuses the
+  quantisation into the kernel that produces the tensor (or into the one pass
+  that reads it), with the amax to record as a side output of that pass;
+* current scaling's is the tensor's own, from one reduction
+  (:func:`mpx._src.ops.quantize.tensor_scale`) that the quantisation waits
+  for: two passes over the tensor, the least a scale that depends on all of
+  it allows.
+
+Core module: imports neither Flax nor optax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from mpx._src import errors
+from mpx._src.ops.amax_grad import as_float32
+from mpx._src.ops.quantize import amax, scale_for, tensor_scale
+from mpx._src.recipe import Fp8Recipe
+
+
+def checked_recipe(recipe: Fp8Recipe | None, state: Any) -> Fp8Recipe:
+  """``recipe`` (current scaling if ``None``), checked against the state passed with it.
+
+  Raises:
+    ConfigError: a delayed recipe without state, or state without one.
+  """
+  recipe = Fp8Recipe() if recipe is None else recipe
+  if recipe.delayed != (state is not None):
+    raise errors.ConfigError(
+      f"The fp8 recipe {recipe} {'needs' if recipe.delayed else 'takes no'} amax history "
+      "state; pass state=(lhs, rhs, grad) histories with delayed scaling only (apply_policy "
+      "does this for you)."
+    )
+  return recipe
+
+
+def init_history(recipe: Fp8Recipe, *, batch_shape: Sequence[int] = ()) -> jax.Array:
+  """An empty amax history: ``float32[*batch_shape, history_length + 1]`` of zeros.
+
+  Args:
+    recipe: a delayed-scaling recipe.
+    batch_shape: leading axes, one history per entry (e.g. ``(layers,)`` for
+      the histories of layers stacked by ``nn.scan`` or ``nnx.vmap``).
+
+  Returns:
+    The zero history.
+  """
+  return jnp.zeros((*batch_shape, recipe.history_length + 1), jnp.float32)
+
+
+def _reduce_last_axis(x: jax.Array, combine: Any) -> jax.Array:
+  """``x`` reduced along its last axis by ``combine`` of neighbours, in order, with 0 as identity.
+
+  A ``reduce`` is a kernel of its own on a GPU, and the scale it feeds would
+  be another; ``combine`` of slices fuses with the scale's arithmetic into one
+  small kernel per history (a few levels for any history length).
+  """
+  while x.shape[-1] > 1:
+    if x.shape[-1] % 2:
+      x = jnp.concatenate([x, jnp.zeros_like(x[..., :1])], axis=-1)
+    x = combine(x[..., 0::2], x[..., 1::2])
+  return x[..., 0]
+
+
+def _most_recent_recorded(newer: jax.Array, older: jax.Array) -> jax.Array:
+  # A zero entry is a step that saw no element (an empty batch) or only zeros.
+  return jnp.where(newer > 0, newer, older)
+
+
+def history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
+  """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while nothing is committed.
+
+  It depends on the history alone, never on the tensor being quantised, so
+  the quantisation need not wait for that tensor's amax. Zero entries (steps
+  that saw an empty or all-zero tensor) do not count: ``most_recent`` takes
+  the most recent non-zero amax.
+
+  Args:
+    history: one history, or histories stacked along leading axes.
+    dtype: the float8 format.
+    recipe: the delayed recipe (its reduction and margin).
+
+  Returns:
+    The float32 scale, one per history.
+  """
+  committed = as_float32(history)[..., 1:]
+  combine = jnp.maximum if recipe.reduction == "max" else _most_recent_recorded
+  reference = _reduce_last_axis(committed, combine)
+  return scale_for(reference, dtype, margin=recipe.margin)
+
+
+def observed(history: jax.Array, value: jax.Array) -> jax.Array:
+  """The cotangent of a history: ``value`` in the pending slot, zeros elsewhere."""
+  cotangent = jnp.zeros(history.shape, jnp.float32).at[..., 0].set(value.astype(jnp.float32))
+  return jax.lax.convert_element_type(cotangent, history.dtype)
+
+
+def operand_scales(
+  recipe: Fp8Recipe,
+  histories: Sequence[jax.Array] | None,
+  tensors: Sequence[jax.Array],
+  dtype: Any,
+) -> tuple[list[jax.Array], list[jax.Array] | None]:
+  """Each tensor's per-tensor scale, and under delayed scaling the amax each observed.
+
+  Args:
+    recipe: a per-tensor recipe (current or delayed).
+    histories: the tensors' histories (delayed scaling), or ``None``.
+    tensors: the tensors to quantise.
+    dtype: their float8 format.
+
+  Returns:
+    ``(scales, amaxes)``: the float32 scales, and the amaxes to record
+    (``None`` under current scaling).
+  """
+  if histories is None:
+    scales = [
+      tensor_scale(x, dtype, margin=recipe.margin, axis_name=recipe.axis_name) for x in tensors
+    ]
+    return scales, None
+  scales = [history_scale(h, dtype, recipe) for h in histories]
+  return scales, [amax(x, recipe.axis_name) for x in tensors]

@@ -26,8 +26,7 @@ import jax
 
 from mpx._src import recipe as recipe_lib
 from mpx._src.adapters import eqx_contractions, fp8_wiring
-from mpx._src.ops import fp8 as fp8_lib
-from mpx._src.ops import fp8_conv, kernels
+from mpx._src.ops import fp8_conv, fp8_scaling, kernels
 from mpx._src.ops.amax_grad import fp8_max_grad
 from mpx._src.scaling import fp8_history
 
@@ -71,7 +70,7 @@ def new_history(recipe: recipe_lib.Fp8Recipe, layer: Any) -> Fp8History:
   weight = layer.weight
   ndim = 2 + getattr(layer, "num_spatial_dims", 0)
   batch_shape = tuple(weight.shape[: weight.ndim - ndim])
-  return Fp8History(*(fp8_lib.init_history(recipe, batch_shape=batch_shape) for _ in range(3)))
+  return Fp8History(*(fp8_scaling.init_history(recipe, batch_shape=batch_shape) for _ in range(3)))
 
 
 def replaced_contractions(

@@ -14,7 +14,7 @@ import jax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
-from mpx._src.audit import device_peaks, stablehlo, target_report
+from mpx._src.audit import device_peaks, layer_paths, stablehlo, target_report
 from mpx._src.audit import ops as audit_ops
 from mpx._src.audit.ops import MatmulOp, ReductionOp
 
@@ -407,7 +407,8 @@ def audit(
     lowered = fn
   else:
     lower = getattr(fn, "lower", None)  # Already jitted: keep its static arguments.
-    lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+    with layer_paths.scopes((args, kwargs)):
+      lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
   module = lowered.compiler_ir("stablehlo")
   ops = [MatmulOp(share=0.0, **f) for f in stablehlo.matmul_ops(module)]
   total = sum(op.flops for op in ops)

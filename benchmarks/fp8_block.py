@@ -117,7 +117,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
   parser.add_argument("--target", default="h100")
   parser.add_argument("--smoke", action="store_true", help="a tiny block")
   parser.add_argument("--measure", action="store_true", help="also time each step on this GPU")

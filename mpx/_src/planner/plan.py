@@ -423,6 +423,11 @@ def _choose(
   rejected = []
   for name in names[1:]:
     policy, found = policies[name], costs[name].layers[layer]
+    if policy.fp8 is not None and not found.gemms:
+      # XLA rewrote the product into kernels that name no layer (a block-scaled
+      # dot decomposed for a GPU without block-scaled MMAs): nothing to charge it.
+      rejected.append(f"{name}: no GEMM kernel of its program names this layer")
+      continue
     if policy.fp8 is not None and found.fp8_gemms < found.gemms:
       rejected.append(f"{name}: its kernels multiply {', '.join(found.multiplies)}")
       continue

@@ -120,7 +120,7 @@ def test_tensorwise_scaling_fails_where_rowwise_passes():
 
 def test_layers_add_up_to_each_program_with_the_baselines_rest():
   def layer(seconds, gemm):
-    return cost.LayerCost(seconds, gemm, 1, 1.0, 0, 1, ())
+    return cost.LayerCost(seconds, gemm, 1.0, 0, 1, ())
 
   costs = {
     "base": cost.ProgramCost(10.0, 4.0, {"a": layer(4.0, 3.0), "b": layer(2.0, 1.0)}),

@@ -35,7 +35,6 @@ class LayerCost:
     seconds: the modelled time of its kernels, with the correction of the
       module docstring.
     gemm_seconds: the part of ``seconds`` in GEMM and convolution kernels.
-    launches: its kernel launches per step.
     flops: the FLOPs of its products.
     fp8_gemms: its GEMM kernels that multiply float8 operands.
     gemms: its GEMM kernels.
@@ -44,7 +43,6 @@ class LayerCost:
 
   seconds: float
   gemm_seconds: float
-  launches: int
   flops: float
   fp8_gemms: int
   gemms: int
@@ -124,16 +122,13 @@ def program_cost(report: Any, layers: Sequence[str], *, launch_seconds: float) -
     by_kernel.setdefault(g.kernel, []).append(g)
   seconds: dict[str | None, float] = {}
   gemm_seconds: dict[str, float] = {}
-  launches: dict[str, int] = {}
   flops: dict[str, float] = {}
   kinds: dict[str, list[Any]] = {}
 
   def charge(layer: str | None, share: float, t: roofline.KernelTime) -> None:
     seconds[layer] = seconds.get(layer, 0.0) + share * t.seconds
-    if layer is not None:
-      launches[layer] = launches.get(layer, 0) + round(share * t.launches)
-      if t.is_gemm:
-        gemm_seconds[layer] = gemm_seconds.get(layer, 0.0) + share * t.seconds
+    if layer is not None and t.is_gemm:
+      gemm_seconds[layer] = gemm_seconds.get(layer, 0.0) + share * t.seconds
 
   for t in times:
     products = by_kernel.get(t.name)
@@ -157,7 +152,6 @@ def program_cost(report: Any, layers: Sequence[str], *, launch_seconds: float) -
       layer: LayerCost(
         seconds=seconds.get(layer, 0.0),
         gemm_seconds=gemm_seconds.get(layer, 0.0),
-        launches=launches.get(layer, 0),
         flops=flops.get(layer, 0.0),
         fp8_gemms=sum(g.is_fp8 for g in kinds.get(layer, [])),
         gemms=len(kinds.get(layer, [])),

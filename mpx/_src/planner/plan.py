@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,6 +24,7 @@ from mpx._src.audit import layer_paths
 from mpx._src.audit import ops as audit_ops
 from mpx._src.planner import cost as cost_lib
 from mpx._src.planner import numerics as numerics_lib
+from mpx._src.planner import rules as rules_lib
 
 #: The candidates :func:`mpx.linen.plan` and :func:`mpx.nnx.plan` compare by default.
 CANDIDATES = ("mixed_bfloat16", "mixed_float8", "mixed_float8_rowwise")
@@ -115,6 +115,7 @@ class Plan:
     reports: per candidate, the ``TargetReport`` of its compiled step (the
       kernels the plan's times come from), and under ``"plan"`` that of the
       planned step.
+    note: why the plan overrides the layers' own choices (``""`` when it does not).
   """
 
   policy: policy_lib.Policy
@@ -129,6 +130,7 @@ class Plan:
   framework: str
   reports: dict[str, Any] = dataclasses.field(repr=False, compare=False)
   subject: Subject = dataclasses.field(repr=False, compare=False)
+  note: str = ""
 
   @property
   def speedup(self) -> float:
@@ -159,21 +161,22 @@ class Plan:
     steps = ", ".join(f"{c} {ms:.3f} ms" for c, ms in self.step_ms.items())
     lines = [
       f"fp8 plan for {self.target} ({NOTE.format(us=1e6 * self.launch_seconds)})",
-      f"step: {steps}; plan {self.predicted_ms:.3f} ms compiled ({self.layer_sum_ms:.3f} ms "
-      f"by its layers), {self.speedup:.3f}x over {base}",
-      f"policy {_name(self.policy)}, {len(self.rules.paths)} path rules"
+      f"step: {steps}; plan {self.predicted_ms:.3f} ms compiled, {self.speedup:.3f}x over "
+      f"{base} (the layers' own choices add up to {self.layer_sum_ms:.3f} ms)",
+      f"policy {rules_lib.name(self.policy)}, {len(self.rules.paths)} path rules"
       + (
         " (cells: ms, then the worst SQNR and flushed share on the calibration batch)"
         if calibrated
         else ""
       ),
+      *([f"note: {self.note}"] if self.note else []),
       *audit_ops.table(header, rows),
     ]
     return "\n".join(lines)
 
   def to_code(self) -> str:
     """The Python that applies this plan to ``model`` (imports, the keep rules, ``apply_policy``)."""
-    return _code(self.policy, self.rules, self.framework)
+    return rules_lib.code(self.policy, self.rules, self.framework)
 
   def verify(self) -> Any:
     """Checks each decided layer's kernels in the planned model compiled for the target.
@@ -238,13 +241,6 @@ def _label(policy: Any) -> str:
   return policy if isinstance(policy, str) else str(policy)
 
 
-def _name(policy: policy_lib.Policy) -> str:
-  """A policy's preset name if it has one, else its string form (both parse back)."""
-  return next(
-    (k for k, v in policy_lib.PRESETS.items() if policy_lib.get_policy(v) == policy), str(policy)
-  )
-
-
 def _shapes(report: Any, layer: str) -> str:
   dims = [
     "x".join(map(str, op.gemm_dims))
@@ -252,55 +248,6 @@ def _shapes(report: Any, layer: str) -> str:
     if not op.is_backward and layer_paths.layer_of(op.module_path) == layer
   ]
   return ", ".join(dict.fromkeys(dims)) or "-"
-
-
-def _rule_pattern(paths: list[str], layers: list[str]) -> list[str]:
-  """Patterns naming exactly ``paths`` among ``layers``: one per family of numbered layers where possible.
-
-  A family generalises some of a path's numbers (``Block_\\d+/Dense_0``); the widest family
-  whose members are all in ``paths`` names them at once.
-  """
-  out, done = [], set()
-  for path in paths:
-    if path in done:
-      continue
-    pieces = re.split(r"(\d+)", path)  # text, number, text, number, ..., text
-    numbers = range(1, len(pieces), 2)
-    best = (f"^{re.escape(path)}$", [path])
-    for mask in range(1, 2 ** len(numbers)):
-      family = "".join(
-        r"\d+" if i in numbers and mask >> numbers.index(i) & 1 else re.escape(piece)
-        for i, piece in enumerate(pieces)
-      )
-      members = [p for p in layers if re.fullmatch(family, p)]
-      if len(members) > len(best[1]) and all(p in paths for p in members):
-        best = (f"^{family}$", members)
-    out.append(best[0])
-    done.update(best[1])
-  return out
-
-
-def _code(policy: policy_lib.Policy, rules: keep_lib.KeepRules, framework: str) -> str:
-  imports = {"import mpx"}
-  flags = [
-    f"{f.name}={getattr(rules, f.name)!r}"
-    for f in dataclasses.fields(rules)
-    if f.name not in ("classes", "paths", "instances") and getattr(rules, f.name) != f.default
-  ]
-  chain = [f"rules = mpx.KeepRules({', '.join(flags)})"]
-  for cls, p in rules.classes:
-    imports.add(f"import {cls.__module__}")
-    chain.append(f"  .with_class({cls.__module__}.{cls.__qualname__}, {_name(p)!r})")
-  for pattern, p in rules.paths:
-    chain.append(f"  .with_path({pattern!r}, {_name(p)!r})")
-  lines = [*sorted(imports), ""]
-  lines += [chain[0]] if len(chain) == 1 else ["rules = (", "  " + chain[0][8:], *chain[1:], ")"]
-  if rules.instances:
-    lines.append(
-      f"# {len(rules.instances)} instance rules of the original rules are not written here"
-    )
-  lines.append(f"model = mpx.{framework}.apply_policy(model, {_name(policy)!r}, rules=rules)")
-  return "\n".join(lines)
 
 
 def make_plan(
@@ -353,7 +300,12 @@ def make_plan(
     )
   choice_of = {layer: row.choice for layer, row in zip(layers, rows, strict=True)}
   layer_sum = cost_lib.step_seconds(costs, seconds, choice_of.__getitem__, base)
-  policy, planned = _policy_and_rules(rows, layers, costs[base], names, base_rules)
+  policy, planned = rules_lib.policy_and_rules(
+    {row.path: row.choice for row in rows},
+    {row.path: costs[base].layers[layer].flops for row, layer in zip(rows, layers, strict=True)},
+    names,
+    base_rules,
+  )
   # The layers' times add up only approximately where neighbours run in different
   # candidates (fusion changes at the boundary): the plan is compiled, and if it is
   # slower than running every layer in one candidate they all may run in, that wins.
@@ -364,12 +316,15 @@ def make_plan(
     with _quiet():
       compiled = subject.compile(policies[policy], planned)
   compiled_seconds = cost_lib.program_cost(compiled, layers, launch_seconds=launch_seconds).seconds
+  note = ""
   if compiled_seconds > costs[single].seconds:
-    why = (
-      f"the planned mix compiled to {1e3 * compiled_seconds:.3f} ms, slower than every layer "
-      f"in {single} ({1e3 * costs[single].seconds:.3f} ms); per layer: "
+    note = (
+      f"the layers' choices compiled together ({len(planned.paths) - len(base_rules.paths)} "
+      f"path rules over {policy}) take {1e3 * compiled_seconds:.3f} ms, more than every layer "
+      f"in {single} ({1e3 * costs[single].seconds:.3f} ms): the plan is {single}; each "
+      "reason is the layer's own"
     )
-    rows = [dataclasses.replace(row, choice=single, reason=why + row.reason) for row in rows]
+    rows = [dataclasses.replace(row, choice=single) for row in rows]
     policy, planned = single, base_rules
     compiled, compiled_seconds = reports[single], costs[single].seconds
   return Plan(
@@ -384,28 +339,9 @@ def make_plan(
     launch_seconds=launch_seconds,
     framework=subject.framework,
     reports={**reports, "plan": compiled},
+    note=note,
     subject=subject,
   )
-
-
-def _policy_and_rules(
-  rows: list[PlanRow],
-  layers: list[str],
-  base_cost: cost_lib.ProgramCost,
-  names: list[str],
-  rules: keep_lib.KeepRules,
-) -> tuple[str, keep_lib.KeepRules]:
-  """The model-level candidate (that of most of the decided FLOPs) and the rules for the rest."""
-  by_flops: dict[str, float] = {}
-  for row, layer in zip(rows, layers, strict=True):
-    by_flops[row.choice] = by_flops.get(row.choice, 0.0) + base_cost.layers[layer].flops
-  policy = max(names, key=lambda n: (by_flops.get(n, 0.0), n == names[0]))
-  chosen = {row.path: row.choice for row in rows}
-  for name in names:
-    mine = [p for p, c in chosen.items() if c == name != policy]
-    for pattern in _rule_pattern(mine, list(chosen)):
-      rules = rules.with_path(pattern, name)
-  return policy, rules
 
 
 def _choose(

@@ -24,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -66,6 +67,25 @@ def subject(name: str, smoke: bool) -> tuple[Callable[..., Any], Any, Any, dict[
   return mpx.linen.plan, llama_block.Block(cfg), x, {"x": example}
 
 
+def family_table(plan: Any) -> str:
+  """The plan's rows grouped by family (numbers as ``N``) and shape: counts, summed ms, choices."""
+  groups: dict[tuple[str, str], list[Any]] = {}
+  for row in plan.rows:
+    groups.setdefault((re.sub(r"\d+", "N", row.path), row.shapes), []).append(row)
+  lines = [
+    "| layers | count | GEMM (fwd M x N x K) | FLOPs | "
+    + " | ".join(f"{c} ms" for c in plan.candidates)
+    + " | choice |",
+    "|---|---:|---|---:|" + "---:|" * len(plan.candidates) + "---|",
+  ]
+  for (family, shapes), rows in groups.items():
+    ms = " | ".join(f"{sum(r.predicted_ms[c] for r in rows):.3f}" for c in plan.candidates)
+    choices = ", ".join(sorted({r.choice for r in rows}))
+    share = 100 * sum(r.flops_share for r in rows)
+    lines.append(f"| `{family}` | {len(rows)} | {shapes} | {share:.1f}% | {ms} | {choices} |")
+  return "\n".join(lines)
+
+
 def plan_model(name: str, target: str, smoke: bool, calibrate: int) -> dict[str, Any]:
   """Plans one model and returns its JSON entry."""
   plan_fn, model, x, batch = subject(name, smoke)
@@ -77,6 +97,8 @@ def plan_model(name: str, target: str, smoke: bool, calibrate: int) -> dict[str,
   return {
     "model": name,
     "table": str(plan),
+    "families": family_table(plan),
+    "note": plan.note,
     "code": plan.to_code(),
     "rows": [dataclasses.asdict(row) for row in plan.rows],
     "step_ms": plan.step_ms,
@@ -101,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
   entries = []
   for name in args.models:
     entry = plan_model(name, args.target, args.smoke, args.calibrate)
-    print(f"## {name}\n\n{entry['table']}\n\n{entry['code']}\n")
+    print(f"## {name}\n\n{entry['table']}\n\n{entry['families']}\n\n{entry['code']}\n")
     print(
       f"planned in {entry['plan_seconds']['wall']:.0f} s wall, "
       f"{entry['plan_seconds']['cpu']:.0f} s CPU\n"

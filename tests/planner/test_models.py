@@ -47,12 +47,14 @@ def test_gpt2_linen_plan_with_calibration():
   assert all(row.sqnr_db and row.flushed is not None for row in plan.rows)
 
 
-def test_gpt2_nnx_plan_names_attribute_paths():
+def test_gpt2_nnx_plan_names_attribute_paths_and_calibrates_the_model_as_it_is():
   cfg = gpt.GPTConfig.smoke()
   batch = gpt.make_batch(cfg)
-  plan = mpx.nnx.plan(gpt.NnxGPT(cfg, rngs=nnx.Rngs(0)), _shape(batch))
+  model = gpt.NnxGPT(cfg, rngs=nnx.Rngs(0))
+  plan = mpx.nnx.plan(model, _shape(batch), calibration=(batch["x"][:2],))
   _check(plan)
   assert {"blocks/0/attn/query", "blocks/1/fc", "blocks/1/proj"} <= {r.path for r in plan.rows}
+  assert all(row.sqnr_db and row.flushed is not None for row in plan.rows)
 
 
 def test_resnet50_plan_covers_the_convolutions():
@@ -60,4 +62,6 @@ def test_resnet50_plan_covers_the_convolutions():
   batch = resnet50.make_batch(cfg)
   plan = mpx.linen.plan(resnet50.ResNet50(cfg), _shape(batch))
   _check(plan)
-  assert "stem" in {row.path for row in plan.rows} and "head" in {row.path for row in plan.rows}
+  paths = {row.path for row in plan.rows}
+  assert {"Bottleneck_0/Conv_1", "Bottleneck_0/proj", "head"} <= paths
+  assert "stem" not in paths  # 3 input channels: mpx runs it in bfloat16 under every recipe

@@ -2,9 +2,10 @@
 
 A wide layer where float8 pays, a tiny one where the quantisation costs more
 than it saves, and, on a calibration batch with one huge row, a layer whose
-ordinary rows flush to zero under a per-tensor scale (rowwise keeps them).
-The decisions are read from the compiled programs (modelled, no autotuning);
-``plan.verify()`` compiles the planned model and checks its kernels.
+ordinary rows flush to zero under a per-tensor scale (rowwise keeps them:
+marked ``slow``, the numerics' own tests are fast). The decisions are read
+from the compiled programs (modelled, no autotuning); ``plan.verify()``
+checks the planned model's kernels.
 """
 
 import flax.linen as nn
@@ -39,29 +40,21 @@ def _outlier_batch():
   return (x,)
 
 
-def test_linen_plan_keeps_tiny_layers_and_picks_rowwise_where_tensorwise_flushes():
+def test_linen_plan_keeps_the_tiny_layer_out_of_float8_and_verifies():
   x = jax.ShapeDtypeStruct((TOKENS, WIDTH), jnp.float32)
-  plan = mpx.linen.plan(_Wide(), x, calibration=_outlier_batch())
+  plan = mpx.linen.plan(_Wide(), x, candidates=("mixed_bfloat16", "mixed_float8"))
 
   wide, tiny = plan.rows
   assert (wide.path, tiny.path) == ("wide", "tiny")
-  assert wide.shapes == f"{TOKENS}x{WIDTH}x{WIDTH}"
-  # The wide layer: float8 pays in both recipes, but its operands flush per tensor.
-  assert (
-    max(wide.predicted_ms[c] for c in ("mixed_float8", "mixed_float8_rowwise"))
-    < (wide.predicted_ms["mixed_bfloat16"])
-  )
-  assert wide.flushed["mixed_float8"] > 0.01 and wide.flushed["mixed_float8_rowwise"] <= 0.01
-  assert wide.sqnr_db["mixed_float8_rowwise"] >= 25.0
-  assert wide.choice == "mixed_float8_rowwise"
-  assert "mixed_float8:" in wide.reason and "flushed" in wide.reason
+  assert (wide.shapes, tiny.shapes) == (f"{TOKENS}x{WIDTH}x{WIDTH}", f"{TOKENS}x16x{WIDTH}")
+  assert wide.predicted_ms["mixed_float8"] < wide.predicted_ms["mixed_bfloat16"]
+  assert wide.choice == "mixed_float8" and wide.reason.endswith("faster than mixed_bfloat16")
   # The tiny layer: the quantisation kernels cost more than float8 saves.
+  assert tiny.predicted_ms["mixed_float8"] > tiny.predicted_ms["mixed_bfloat16"]
   assert tiny.choice == "mixed_bfloat16" and tiny.reason.startswith("does not pay")
-  assert min(tiny.predicted_ms.values()) == tiny.predicted_ms["mixed_bfloat16"]
-  assert plan.speedup > 1.0 and plan.predicted_ms < plan.step_ms["mixed_bfloat16"]
-  assert plan.predicted_ms == pytest.approx(plan.layer_sum_ms, rel=0.05)
+  assert wide.sqnr_db is None and not plan.note
+  assert plan.predicted_ms < plan.step_ms["mixed_bfloat16"] and plan.speedup > 1.0
   assert "wide" in str(plan) and "modelled, no autotuning" in str(plan)
-
   report = plan.verify()
   assert {g.module_path: g.is_fp8 for g in report.gemms if not g.is_backward} == {
     "_Wide/wide": True,
@@ -70,8 +63,28 @@ def test_linen_plan_keeps_tiny_layers_and_picks_rowwise_where_tensorwise_flushes
   # to_code() recreates the rules and the policy.
   scope = {"model": _Wide()}
   exec(plan.to_code(), scope)
-  assert scope["rules"] == plan.rules
-  assert scope["model"].policy == plan.policy
+  assert scope["rules"] == plan.rules and scope["model"].policy == plan.policy
+
+
+@pytest.mark.slow
+def test_linen_plan_picks_rowwise_where_tensorwise_flushes():
+  x = jax.ShapeDtypeStruct((TOKENS, WIDTH), jnp.float32)
+  plan = mpx.linen.plan(_Wide(), x, calibration=_outlier_batch())
+
+  wide, tiny = plan.rows
+  # The wide layer: float8 pays in both recipes, but its operands flush per tensor.
+  assert (
+    max(wide.predicted_ms[c] for c in ("mixed_float8", "mixed_float8_rowwise"))
+    < (wide.predicted_ms["mixed_bfloat16"])
+  )
+  assert wide.flushed["mixed_float8"] > 0.01 and wide.flushed["mixed_float8_rowwise"] <= 0.01
+  assert wide.sqnr_db["mixed_float8"] < 20.0 <= 25.0 <= wide.sqnr_db["mixed_float8_rowwise"]
+  assert wide.choice == "mixed_float8_rowwise"
+  assert "mixed_float8: SQNR" in wide.reason and "flushed" in wide.reason
+  assert tiny.choice == "mixed_bfloat16" and tiny.reason.startswith("does not pay")
+  assert plan.speedup > 1.0
+  report = plan.verify()
+  assert {g.module_path for g in report.gemms if g.is_fp8} == {"_Wide/wide"}
 
 
 class _NnxWide(nnx.Module):

@@ -95,10 +95,10 @@ def plan(
   baseline: small GEMMs, where the quantisation costs more than float8
   saves, stay in it. The layers' times add up only approximately where
   neighbours run in different candidates (XLA fuses their boundary
-  differently), so the planned model is compiled too: if it is slower than
-  every layer in one candidate that all of them may run in (the baseline
-  always qualifies), that candidate is the plan. In the model, a plan is
-  never slower than the baseline.
+  differently), so the planned model is compiled too: unless it is at least
+  0.1% faster than every layer in one candidate that all of them may run in
+  (the baseline always qualifies), that candidate is the plan. In the model,
+  a plan is never slower than the baseline.
 
   Cost: one compile for the target per candidate and one for the plan, and
   with ``calibration`` one CPU compile and run of the float32 forward and

@@ -67,22 +67,28 @@ def subject(name: str, smoke: bool) -> tuple[Callable[..., Any], Any, Any, dict[
   return mpx.linen.plan, llama_block.Block(cfg), x, {"x": example}
 
 
-def family_table(plan: Any) -> str:
-  """The plan's rows grouped by family (numbers as ``N``) and shape: counts, summed ms, choices."""
-  groups: dict[tuple[str, str], list[Any]] = {}
-  for row in plan.rows:
-    groups.setdefault((re.sub(r"\d+", "N", row.path), row.shapes), []).append(row)
+def _family(path: str) -> str:
+  """A layer's family: the numbers of its first component, and numeric components, as ``N``."""
+  first, *rest = path.split("/")
+  return "/".join([re.sub(r"\d+", "N", first), *("N" if p.isdigit() else p for p in rest)])
+
+
+def family_table(rows: list[dict[str, Any]], candidates: list[str]) -> str:
+  """A plan's rows grouped by family and shape: counts, summed ms, choices (Markdown)."""
+  groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+  for row in rows:
+    groups.setdefault((_family(row["path"]), row["shapes"]), []).append(row)
   lines = [
     "| layers | count | GEMM (fwd M x N x K) | FLOPs | "
-    + " | ".join(f"{c} ms" for c in plan.candidates)
+    + " | ".join(f"{c} ms" for c in candidates)
     + " | choice |",
-    "|---|---:|---|---:|" + "---:|" * len(plan.candidates) + "---|",
+    "|---|---:|---|---:|" + "---:|" * len(candidates) + "---|",
   ]
-  for (family, shapes), rows in groups.items():
-    ms = " | ".join(f"{sum(r.predicted_ms[c] for r in rows):.3f}" for c in plan.candidates)
-    choices = ", ".join(sorted({r.choice for r in rows}))
-    share = 100 * sum(r.flops_share for r in rows)
-    lines.append(f"| `{family}` | {len(rows)} | {shapes} | {share:.1f}% | {ms} | {choices} |")
+  for (family, shapes), members in groups.items():
+    ms = " | ".join(f"{sum(r['predicted_ms'][c] for r in members):.3f}" for c in candidates)
+    choices = ", ".join(sorted({r["choice"] for r in members}))
+    share = 100 * sum(r["flops_share"] for r in members)
+    lines.append(f"| `{family}` | {len(members)} | {shapes} | {share:.1f}% | {ms} | {choices} |")
   return "\n".join(lines)
 
 
@@ -94,13 +100,14 @@ def plan_model(name: str, target: str, smoke: bool, calibrate: int) -> dict[str,
   plan = plan_fn(model, x, target=target, **kwargs)
   seconds = {"wall": time.perf_counter() - wall, "cpu": time.process_time() - cpu}
   plan.verify()
+  rows = [dataclasses.asdict(row) for row in plan.rows]
   return {
     "model": name,
     "table": str(plan),
-    "families": family_table(plan),
+    "families": family_table(rows, list(plan.candidates)),
     "note": plan.note,
     "code": plan.to_code(),
-    "rows": [dataclasses.asdict(row) for row in plan.rows],
+    "rows": rows,
     "step_ms": plan.step_ms,
     "plan_ms": plan.predicted_ms,
     "layer_sum_ms": plan.layer_sum_ms,

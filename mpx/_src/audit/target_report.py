@@ -20,9 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
-from mpx._src.audit import buffers, layer_paths, rewrites, targets
+from mpx._src.audit import buffers, fused_attention, layer_paths, rewrites, targets
 from mpx._src.audit import compiled as hlo
-from mpx._src.audit import fused_attention
 from mpx._src.audit import ops as audit_ops
 
 _NOTE = "compiled for the target without autotuning: kernel choices are XLA's defaults"

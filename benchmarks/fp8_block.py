@@ -11,8 +11,10 @@ baseline's, as a fused attention would run it in every recipe), the kernel count
 share of the FLOPs; then the planner's per-layer table, and the planned block compiled and checked
 (``plan.verify()``). On a GPU (``--measure``), each recipe's step and the planned step are
 also timed (median of ``--repeats`` calls). The attention is the policy's
-(``mpx.dot_product_attention``, called with ``is_causal=True``): the JSON says whether the
-compiled program runs it as a fused cuDNN kernel.
+(``mpx.dot_product_attention``, called with ``is_causal=True``): cuDNN's fused flash attention
+where cuDNN is installed where the step is traced (for a deviceless compile, the
+``nvidia-cudnn-cu12`` wheel beside jax's CUDA plugin), else mpx's exact unfused path; each
+row of the JSON says which the compiled program runs.
 
 Usage::
 

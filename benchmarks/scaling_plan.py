@@ -62,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 import mpx
 from mpx._src.audit import compiled as compiled_lib
 from mpx._src.audit import device_peaks, targets
+from mpx._src.audit import roofline as roofline_lib
 from mpx._src.audit import target_report as target_report_lib
 
 RESULTS = pathlib.Path(__file__).resolve().parent / "results" / "scaling"
@@ -295,14 +296,14 @@ def collective_rows(text: str, target: targets.Target) -> list[dict[str, Any]]:
 def compute_roofline(text: str, device_kind: str, policy: str) -> dict[str, Any]:
   """The compute side of the roofline: each kernel at ``max(FLOPs / peak, bytes / bandwidth)``.
 
-  The model of ``deviceless.roofline`` (its operand classes and the target's HBM bandwidth), with
+  The model of ``mpx._src.audit.roofline`` (its operand classes and the target's HBM bandwidth), with
   the collectives left out (modelled apart, :func:`collective_rows`) and the memory-bound time of
   the attention's kernels (XLA's unfused softmax over the ``T x T`` scores) reported apart.
 
   Args:
     text: ``compiled.as_text()``.
     device_kind: the target's device kind (its peaks: ``device_peaks``).
-    policy: the policy (for ``deviceless.operand_class``).
+    policy: the policy (``f32_highest`` takes the float32 peak for float32 operands).
 
   Returns:
     ``ms``, ``compute_bound_ms``, ``memory_bound_ms``, ``attention_memory_bound_ms`` and
@@ -311,12 +312,12 @@ def compute_roofline(text: str, device_kind: str, policy: str) -> dict[str, Any]
   name = device_peaks.device_name(device_kind)
   if name is None:
     raise ValueError(f"no peaks known for {device_kind}")
-  peaks, bandwidth = device_peaks.PEAK_TFLOPS[name], deviceless.memory_bandwidth("h100")
+  peaks, bandwidth = device_peaks.PEAK_TFLOPS[name], roofline_lib.memory_bandwidth("h100")
   flops: dict[str, dict[str, float]] = {}  # kernel -> operand class -> FLOPs per step
   by_class: collections.Counter[str] = collections.Counter()
   for g in compiled_lib.gemms(text):
     gemm = target_report_lib.TargetGemm(**g)
-    cls = deviceless.operand_class(gemm, policy)
+    cls = roofline_lib.operand_class(gemm, float32_peak=policy == "f32_highest")
     per = flops.setdefault(gemm.kernel, {})
     per[cls] = per.get(cls, 0.0) + gemm.flops
     by_class[cls] += gemm.flops

@@ -4,8 +4,9 @@
 ``tabulate`` run every layer under the policy (see its docstring for what each
 layer receives); :class:`mpx.KeepRules` gives chosen layers a policy of their
 own, and :data:`DEFAULT_KEEP_CLASSES` lists the normalisation layers kept in
-float32 by default. Importing this module imports ``flax.linen``, never
-``flax.nnx``.
+float32 by default. :func:`plan` decides which layers to run in which float8
+recipe from the step compiled for a GPU. Importing this module imports
+``flax.linen``, never ``flax.nnx``.
 """
 
 from mpx._src.adapters.linen import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
@@ -16,6 +17,7 @@ from mpx._src.adapters.linen_fp8 import Fp8ConvGeneralDilated as Fp8ConvGeneralD
 from mpx._src.adapters.linen_fp8 import Fp8DotGeneral as Fp8DotGeneral
 from mpx._src.diagnostics.linen_taps import collect_activations as collect_activations
 from mpx._src.diagnostics.linen_taps import locate_nonfinite as locate_nonfinite
+from mpx._src.planner.linen import plan as plan
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
@@ -26,4 +28,5 @@ __all__ = (
   "apply_policy",
   "collect_activations",
   "locate_nonfinite",
+  "plan",
 )

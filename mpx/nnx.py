@@ -4,7 +4,8 @@
 its params (see its docstring for what each layer receives);
 :class:`mpx.KeepRules` gives chosen layers a policy of their own, and
 :data:`DEFAULT_KEEP_CLASSES` lists the normalisation layers kept in float32 by
-default.
+default; :func:`plan` decides which layers to run in which float8 recipe from the
+step compiled for a GPU.
 """
 
 from mpx._src.adapters.nnx import DEFAULT_KEEP_CLASSES as DEFAULT_KEEP_CLASSES
@@ -15,6 +16,7 @@ from mpx._src.adapters.nnx_fp8 import Fp8Einsum as Fp8Einsum
 from mpx._src.adapters.nnx_fp8 import Fp8History as Fp8History
 from mpx._src.diagnostics.nnx_taps import collect_activations as collect_activations
 from mpx._src.diagnostics.nnx_taps import locate_nonfinite as locate_nonfinite
+from mpx._src.planner.nnx import plan as plan
 
 __all__ = (
   "DEFAULT_KEEP_CLASSES",
@@ -25,4 +27,5 @@ __all__ = (
   "apply_policy",
   "collect_activations",
   "locate_nonfinite",
+  "plan",
 )

@@ -12,16 +12,19 @@ On several GPUs the step is data-parallel: the batch is sharded over all GPUs (e
 the single-GPU batch, so the per-GPU program compares with the one-GPU run) and params,
 optimizer state and model state are replicated; XLA inserts the gradient all-reduce.
 
-The roofline estimate is a model of the program, not a measurement: each kernel takes
+The roofline estimate is a model of the program, not a measurement (the library's,
+``mpx._src.audit.roofline``, which the fp8 planner uses too): each kernel takes
 ``max(FLOPs / peak for its operand dtype, bytes / memory bandwidth)``, summed over the
-kernels. It ignores launch overhead, caches (bytes are what each kernel's operands and
-results occupy: an upper bound on its traffic), overlap and the efficiency of real kernels.
+kernels. It ignores caches (bytes are what each kernel's operands and results occupy: an
+upper bound on its traffic), overlap and the efficiency of real kernels. The table's
+``roofline ms`` leaves out the launches, as results written before 2026-11-28 did; each
+row's JSON adds ``launch_ms`` (kernel launches times 2.7 us, the cost measured on an H200)
+and ``with_launch_ms``.
 """
 
 from __future__ import annotations
 
 import pathlib
-import re
 import time
 from typing import Any
 
@@ -29,17 +32,15 @@ import jax
 from jax.sharding import PartitionSpec
 
 import mpx
-from mpx._src.audit import device_peaks, targets
+from mpx._src.audit import roofline as roofline_lib
+from mpx._src.audit import targets
 
 from . import setups
 
 NOTE = (
   "no GPU was used: compiled for the target without autotuning (kernel choices are XLA's defaults)"
 )
-ROOFLINE_NOTE = (
-  "roofline model, not a measurement; no autotuning: sum over kernels of max(FLOPs / dense "
-  "peak for the kernel's operand dtype, bytes / memory bandwidth)"
-)
+ROOFLINE_NOTE = roofline_lib.NOTE
 #: NVLink 4 (H100 SXM): 900 GB/s in both directions together, so 450 GB/s each way.
 NVLINK_BYTES_PER_S = {"h100": 450e9, "h200": 450e9, "b200": 900e9, "a100": 300e9}
 COLLECTIVE_NOTE = (
@@ -48,68 +49,19 @@ COLLECTIVE_NOTE = (
 )
 
 
-def memory_bandwidth(gpu: str) -> float:
-  """The memory bandwidth (bytes/s) of a GPU of ``targets.GPUS``, from its target spec."""
-  match = re.search(r"memory_bandwidth:\s*(\d+)", targets.spec_text(gpu))
-  if match is None:
-    raise ValueError(f"no memory_bandwidth in the target spec of {gpu}")
-  return float(match.group(1))
-
-
-def operand_class(gemm: Any, config: str) -> str:
-  """The ``device_peaks`` operand class of a compiled product: the wider of its operands'."""
-  if gemm.is_fp8:
-    return "fp8"
-  if gemm.is_half:
-    return "half"
-  if any(d.name == "float64" for d in gemm.dtypes):
-    return "float64"
-  # float32 operands: TF32 Tensor Cores at JAX's default precision, true float32 at 'highest'.
-  return "float32" if config == "f32_highest" else "tf32"
-
-
-def roofline(report: Any, config: str, gpu: str) -> dict[str, Any] | None:
-  """The roofline estimate of one run of a compiled program (see the module docstring).
+def roofline(report: Any, config: str) -> dict[str, Any] | None:
+  """The roofline estimate of one run of a compiled program (``mpx._src.audit.roofline``).
 
   Args:
     report: a ``TargetReport``.
     config: the configuration (``f32_highest`` takes the float32 peak for float32 operands).
-    gpu: the target's GPU.
 
   Returns:
-    ``ms`` (the estimate), ``compute_bound_ms`` / ``memory_bound_ms`` (the share of ``ms``
-    from kernels bound by one or the other), ``gemm_ms``, the peaks and bandwidth used and
-    the note; ``None`` when no peak is known for the device.
+    ``roofline.roofline``'s dict: ``ms`` without the launch term (the figure of results
+    written before 2026-11-28), ``launch_ms`` and ``with_launch_ms``; ``None`` when no peak
+    is known for the device.
   """
-  name = device_peaks.device_name(report.device_kind)
-  if name is None:
-    return None
-  peaks = device_peaks.PEAK_TFLOPS[name]
-  bandwidth = memory_bandwidth(gpu)
-  flops: dict[str, dict[str, float]] = {}  # kernel -> operand class -> FLOPs per run
-  for g in report.gemms:
-    per = flops.setdefault(g.kernel, {})
-    cls = operand_class(g, config)
-    per[cls] = per.get(cls, 0.0) + g.flops
-  compute_bound = memory_bound = gemm = 0.0
-  for k in report.kernels:
-    t_mem = k["bytes"] * k["count"] / bandwidth
-    t_flop = sum(f / (peaks[c] * 1e12) for c, f in flops.get(k["name"], {}).items())
-    if t_flop > t_mem:
-      compute_bound += t_flop
-    else:
-      memory_bound += t_mem
-    if k["name"] in flops:
-      gemm += max(t_flop, t_mem)
-  return {
-    "ms": 1e3 * (compute_bound + memory_bound),
-    "compute_bound_ms": 1e3 * compute_bound,
-    "memory_bound_ms": 1e3 * memory_bound,
-    "gemm_ms": 1e3 * gemm,
-    "peaks_tflops": {"device": name, **peaks},
-    "memory_bandwidth_bytes_per_s": bandwidth,
-    "note": ROOFLINE_NOTE,
-  }
+  return roofline_lib.roofline(report, float32_peak=config == "f32_highest")
 
 
 def _gemm_groups(report: Any) -> list[dict[str, Any]]:
@@ -201,7 +153,7 @@ def row(model: str, config: str, target: str, *, smoke: bool) -> dict[str, Any]:
     "kernel_count": report.kernel_count,
     "bytes_moved": report.bytes_moved,
     "collectives": _collective_groups(report, n, target_.gpu),
-    "roofline": roofline(report, config, target_.gpu),
+    "roofline": roofline(report, config),
     "lost": list(report.lost),
     "summary": report.summary(),
     "seconds": time.perf_counter() - start,

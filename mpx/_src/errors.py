@@ -37,5 +37,9 @@ class LossScaleDivergedError(MpxError, FloatingPointError):
   """Gradients overflow even though the loss scale is already at its floor."""
 
 
+class PlanError(MpxError, RuntimeError):
+  """A planned model's compiled program does not run a layer in the format its plan chose."""
+
+
 class PrecisionWarning(UserWarning):
   """A configuration that is known to lose precision (paper section 3.1)."""

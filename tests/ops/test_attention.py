@@ -19,7 +19,7 @@ import pytest
 from flax import nnx
 
 import mpx
-from mpx._src.audit import compiled, fused_attention, stablehlo, targets
+from mpx._src.audit import compiled, fused_attention, layer_paths, targets
 from mpx._src.ops import attention
 
 HALF = (jnp.float16, jnp.bfloat16)
@@ -178,7 +178,7 @@ def test_the_unfused_path_names_its_reason_and_the_layer_path_ignores_it():
   )
   assert f"{attention.UNFUSED_SCOPE}_mask" in text
   name = f"jit(f)/jvp(Model)/cond/branch_1_fun/{attention.UNFUSED_SCOPE}_mask/attn/dot_general"
-  assert stablehlo.module_path(name, "") == ("Model/attn", False)
+  assert layer_paths.module_path(name, "") == ("Model/attn", False)
 
 
 # ------------------------------------------------------ the program for an H100

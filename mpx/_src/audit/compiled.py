@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from mpx._src.audit import fused_attention, stablehlo
+from mpx._src.audit import fused_attention, layer_paths
 
 _HLO_DTYPES = {
   "pred": "bool",
@@ -298,7 +298,7 @@ def _record(
     flops = _conv_flops(product, [lhs, rhs, result])
   else:
     flops = _dot_flops(product["attrs"], lhs, rhs, custom)
-  path, is_backward = stablehlo.module_path(product["op_name"] or kernel["op_name"], "")
+  path, is_backward = layer_paths.module_path(product["op_name"] or kernel["op_name"], "")
   return dict(
     kernel=kernel["name"],
     backend=backend,

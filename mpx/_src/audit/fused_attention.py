@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from mpx._src.audit import stablehlo
+from mpx._src.audit import layer_paths
 from mpx._src.ops import attention as attention_lib
 
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
@@ -72,7 +72,7 @@ def record(
   backward = "Backward" in _target(instr)
   per_score = 3 * q[-1] + 2 * v[-1] if backward else q[-1] + v[-1]
   share = causal_share(t, s) if _CAUSAL.search(attrs) and t and s else 1.0
-  path, transposed = stablehlo.module_path(instr["op_name"], "")
+  path, transposed = layer_paths.module_path(instr["op_name"], "")
   return dict(
     kernel=instr["name"],
     backend="cudnn",
@@ -107,7 +107,7 @@ def calls(launches: Iterable[tuple[dict[str, Any], str, int]]) -> list[dict[str,
   """
   fused, unfused = [], {}
   for instr, _, count in launches:
-    path, transposed = stablehlo.module_path(instr["op_name"], "")
+    path, transposed = layer_paths.module_path(instr["op_name"], "")
     if is_fused(instr):
       backward = transposed or "Backward" in _target(instr)
       fused.append(

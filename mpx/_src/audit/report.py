@@ -14,7 +14,7 @@ import jax
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
 from mpx._src import policy as policy_lib
-from mpx._src.audit import device_peaks, stablehlo, target_report
+from mpx._src.audit import device_peaks, layer_paths, stablehlo, target_report
 from mpx._src.audit import ops as audit_ops
 from mpx._src.audit.ops import MatmulOp, ReductionOp
 
@@ -345,9 +345,14 @@ def audit(
   the params. The body of a ``jax.checkpoint`` (``nn.remat``) replays the
   name stack it was traced under when it is recomputed in the backward pass
   (``transpose(jvp(Model))/jvp(Model)/checkpoint/...``); the repeated scope is
-  dropped, so the path names each module once. NNX pushes no names; there the path is rebuilt from the Python
-  call stack kept in the location (``NnxDecoder/NnxBlock/NnxMlp/Linear``:
-  class names, a method other than ``__call__`` appended as ``.method``).
+  dropped, so the path names each module once. NNX pushes no names: for the
+  NNX models (and ``nnx.Optimizer`` objects) among ``fn``'s arguments the audit
+  pushes each module's attribute path while it traces (``blocks/0/attn/query``,
+  ``wte.attend`` for a method other than ``__call__``; see
+  ``mpx._src.audit.nnx_scopes``: the modules are restored afterwards); for an
+  NNX model ``fn`` reaches otherwise (a closure, a graph definition merged
+  inside it), the path is rebuilt from the Python call stack kept in the
+  location (``NnxDecoder/NnxBlock/NnxMlp/Linear``: class names).
 
   What is counted: ops in called functions count once per static call site.
   Ops in ``while`` bodies count once per iteration when the loop has a
@@ -407,7 +412,8 @@ def audit(
     lowered = fn
   else:
     lower = getattr(fn, "lower", None)  # Already jitted: keep its static arguments.
-    lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+    with layer_paths.scopes((args, kwargs)):
+      lowered = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
   module = lowered.compiler_ir("stablehlo")
   ops = [MatmulOp(share=0.0, **f) for f in stablehlo.matmul_ops(module)]
   total = sum(op.flops for op in ops)

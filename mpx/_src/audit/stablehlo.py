@@ -16,7 +16,7 @@ import numpy as np
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
-from mpx._src.ops import attention as attention_lib
+from mpx._src.audit import layer_paths
 
 _PRODUCT_OPS = {
   "stablehlo.dot_general": "dot_general",
@@ -24,33 +24,6 @@ _PRODUCT_OPS = {
   "stablehlo.convolution": "convolution",
 }
 _MLIR_DTYPES = {"f16": "float16", "bf16": "bfloat16", "f32": "float32", "f64": "float64"}
-# JAX's own name-stack scopes; they say how an op was produced, not who issued it.
-_INTERNAL_SCOPES = frozenset(
-  {
-    "body",
-    "branch",
-    "checkpoint",
-    "closed_call",
-    "composite",
-    "cond",
-    "core_call",
-    "custom_jvp_call",
-    "custom_vjp_call",
-    "custom_vjp_call_jaxpr",
-    "jit",
-    "pjit",
-    "remat",
-    "rematted_computation",
-    "scan",
-    "shard_map",
-    "while",
-  }
-)
-# Scopes that name no module: jax's cond branches ('branch_0_fun'), mpx's attention's.
-_SCOPES = rf"branch_\d+_fun|{attention_lib.SCOPES}"
-_WRAPPED = re.compile(r"([A-Za-z_][\w.]*)\((.*)\)")
-_LOC_NAME = re.compile(r'^loc\("((?:[^"\\]|\\.)*)"\(')
-_FRAME = re.compile(r'"([A-Za-z_<][\w.<>]*)"\(')
 _TENSOR = re.compile(r"tensor<((?:\d+x)*)(\w+)>")
 _ALIGNMENT = 8
 
@@ -119,55 +92,6 @@ def _gemm_conv(attrs: dict[str, str], rhs: tuple[int, ...], result: tuple[int, .
   return (m, n, k), 2 * math.prod(result) * k, misaligned
 
 
-def _location_name(location: str) -> str:
-  match = _LOC_NAME.match(location)
-  return match.group(1) if match else ""
-
-
-def module_path(name: str, location: str) -> tuple[str, bool]:
-  """Returns ``(module path, is_backward)`` from a name stack and its location."""
-  segments, transforms = [], set()
-  last_wrappers: list[str] = []
-  for raw in name.split("/")[:-1]:  # The last segment is the primitive.
-    seg, wrappers = raw, []
-    while match := _WRAPPED.fullmatch(seg):
-      wrappers.append(match.group(1))
-      seg = match.group(2)
-    transforms.update(wrappers)
-    if "jit" in wrappers or "pjit" in wrappers or "->" in seg or "," in seg or "." in seg:
-      # A function name, an einsum spec, or a library's own scope (Equinox scopes each
-      # layer's call `eqx.nn.<class>`; mpx.eqx scopes it by its path), not a module.
-      continue
-    if seg and seg not in _INTERNAL_SCOPES and not re.fullmatch(_SCOPES, seg):
-      # A rematerialised body replays the name stack it was traced under inside
-      # its transpose: 'transpose(jvp(Model))/jvp(Model)/checkpoint/...'. The
-      # replay carries the inner wrappers of the scope it repeats; a module
-      # nested in a namesake (`Model/Model`) carries none and is kept.
-      reentered = wrappers and wrappers == last_wrappers[len(last_wrappers) - len(wrappers) :]
-      if not (segments and segments[-1] == seg and reentered):
-        segments.append(seg)
-      last_wrappers = wrappers
-  if not segments:
-    # No module names on the name stack (NNX, plain functions): use the Python
-    # call stack that the location keeps, innermost frame first.
-    named = _LOC_NAME.match(location)
-    calls = _FRAME.findall(location[named.end() if named else 0 :])
-    frames: list[str] = []
-    for qualname in calls:
-      parts = qualname.split(".")
-      if len(parts) < 2 or not parts[-2][:1].isupper():
-        if frames:
-          break  # The first plain function outside the modules: the traced code.
-        continue  # A helper inside the innermost module, e.g. dot_product_attention.
-      label = parts[-2] if parts[-1] == "__call__" else f"{parts[-2]}.{parts[-1]}"
-      if not frames or frames[0] != label:
-        frames.insert(0, label)
-    if not frames and calls:
-      frames = calls[:1]  # A plain function: its innermost Python frame.
-    segments = frames
-  return "/".join(segments), "transpose" in transforms
-
-
 _INTEGER = re.compile(r"dense<(-?\d+)>")
 
 
@@ -231,7 +155,7 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
     for op, repeats in ops:
       if op.name in _CALLS:
         callee = _attributes(op)[_CALLS[op.name]].strip('"').lstrip("@")
-        site = (caller, _location_name(str(op.location)), repeats)
+        site = (caller, layer_paths.location_name(str(op.location)), repeats)
         callers.setdefault(callee, []).append(site)
         if op.name == "stablehlo.composite":
           composites.setdefault(callee, []).append(site)
@@ -270,7 +194,7 @@ def _collect(module: Any, names: frozenset[str]) -> list[dict[str, Any]]:
         continue
       location = str(op.location)
       for site_prefix, site_count in sites:
-        name = "/".join(p for p in (site_prefix, _location_name(location)) if p)
+        name = "/".join(p for p in (site_prefix, layer_paths.location_name(location)) if p)
         records.append(
           {"op": op, "name": name, "location": location, "count": site_count * repeats}
         )
@@ -357,7 +281,7 @@ def _record(raw: dict[str, Any]) -> dict[str, Any]:
     gemm, flops, misaligned = _gemm_dot(attrs, lhs_shape, rhs_shape)
   accumulation = re.search(r"accumulation_type = (\w+)", attrs.get("algorithm", ""))
   operand_precision = re.search(r"lhs_precision_type = (\w+)", attrs.get("algorithm", ""))
-  path, is_backward = module_path(raw["name"], raw["location"])
+  path, is_backward = layer_paths.module_path(raw["name"], raw["location"])
   return dict(
     kind=kind,
     lhs_dtype=lhs_dtype,
@@ -420,7 +344,7 @@ def _reduction(raw: dict[str, Any]) -> dict[str, Any] | None:
     if terms <= 1:
       return None  # a reshape in disguise: nothing is added
     kind = "sum"
-  path, is_backward = module_path(raw["name"], raw["location"])
+  path, is_backward = layer_paths.module_path(raw["name"], raw["location"])
   return dict(
     kind=kind,
     dtype=dtype,

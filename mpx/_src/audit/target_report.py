@@ -20,8 +20,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from mpx._src import dtypes as dtypes_lib
 from mpx._src import errors
+from mpx._src.audit import buffers, fused_attention, layer_paths, rewrites, targets
 from mpx._src.audit import compiled as hlo
-from mpx._src.audit import fused_attention, targets
 from mpx._src.audit import ops as audit_ops
 
 _NOTE = "compiled for the target without autotuning: kernel choices are XLA's defaults"
@@ -53,6 +53,11 @@ class TargetGemm:
     module_path: the issuing layer, read from the product's ``op_name``.
     op_name: the JAX name stack of the product.
     is_backward: whether the product belongs to the backward pass.
+    split_k: how many slices XLA cut the contraction into (split-K: 3-D
+      operands, a float32 result summed by a later kernel); 1 if not split.
+    merged: the layers whose products XLA merged into this one GEMM (the
+      query, key and value projections of an attention layer, say), each
+      with its share of the result; empty for a GEMM of one layer.
   """
 
   kernel: str
@@ -69,6 +74,21 @@ class TargetGemm:
   module_path: str
   op_name: str
   is_backward: bool
+  split_k: int = 1
+  merged: tuple[tuple[str, float], ...] = ()
+
+  @property
+  def label(self) -> str:
+    """The layer path, or the merged layers' (``.../{query,key,value}``)."""
+    if self.merged:
+      return rewrites.merged_label(tuple(path for path, _ in self.merged))
+    return self.module_path
+
+  @property
+  def notes(self) -> str:
+    """What XLA did to the product: ``split-K 4``, ``3 merged``."""
+    notes = [f"split-K {self.split_k}"] if self.split_k > 1 else []
+    return ", ".join(notes + ([f"{len(self.merged)} merged"] if self.merged else []))
 
   @property
   def is_fp8(self) -> bool:
@@ -170,6 +190,10 @@ class TargetReport:
     attention: which attention each attention layer's pass runs (cuDNN's
       fused kernel, or mpx's unfused path and why); attention written without
       mpx and run unfused is not listed.
+    temporaries: the largest buffers the kernels write that are not outputs
+      (dicts with ``name``, ``kind``, ``type``, ``bytes``, ``layer``,
+      ``is_backward``; see ``mpx._src.audit.buffers``): what
+      ``memory.temp_bytes`` is made of.
   """
 
   target: str
@@ -181,6 +205,7 @@ class TargetReport:
   intended: Any
   lost: tuple[str, ...]
   attention: tuple[TargetAttention, ...] = ()
+  temporaries: tuple[dict[str, Any], ...] = ()
 
   @property
   def total_flops(self) -> int:
@@ -220,17 +245,18 @@ class TargetReport:
     return out
 
   def __str__(self) -> str:
-    header = ("#", "backend", "pass", "module", "lhs", "rhs", "result", "MFLOP")
+    header = ("#", "backend", "pass", "module", "lhs", "rhs", "result", "MFLOP", "notes")
     rows = [
       (
         str(i),
         g.backend,
         "bwd" if g.is_backward else "fwd",
-        g.module_path or "?",
+        g.label or "?",
         audit_ops.operand(g.lhs_dtype, g.lhs_shape),
         audit_ops.operand(g.rhs_dtype, g.rhs_shape),
         audit_ops.operand(g.result_dtype, g.result_shape),
         f"{g.flops / 1e6:.3f}",
+        g.notes,
       )
       for i, g in enumerate(self.gemms)
     ]
@@ -252,6 +278,10 @@ class TargetReport:
       f"{m.output_bytes / 2**20:.1f} MiB (aliased {m.alias_bytes / 2**20:.1f} MiB), "
       f"temporaries {m.temp_bytes / 2**20:.1f} MiB",
     ]
+    if self.temporaries:
+      lines.append(
+        "largest temporaries: " + "; ".join(buffers.describe(b) for b in self.temporaries)
+      )
     if coll:
       lines.append(
         "collectives: "
@@ -376,10 +406,13 @@ def audit_target(
   args = _placed(args, mesh, in_specs)
   kwargs = _placed(kwargs, mesh, None)
   lower = getattr(fn, "lower", None)  # Already jitted: keep its static and donated arguments.
-  lowered: Any = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
+  with layer_paths.scopes((args, kwargs)):
+    lowered: Any = (lower if callable(lower) else jax.jit(fn).lower)(*args, **kwargs)
   compiled = lowered.compile()
   text = compiled.as_text()
-  gemms = [TargetGemm(**g) for g in hlo.gemms(text, native_block_scaling=target_.block_scaled_mma)]
+  records = hlo.gemms(text, native_block_scaling=target_.block_scaled_mma)
+  found = rewrites.gemm_rewrites(text, records)
+  gemms = [TargetGemm(**g, **found.get(g["kernel"], {})) for g in records]
   stats = compiled.memory_analysis()
   intended = intended_audit(lowered)
   lost = _intent_lost(intended, gemms, str(target_))
@@ -404,6 +437,7 @@ def audit_target(
       temp_bytes=int(stats.temp_size_in_bytes),
     ),
     kernels=tuple(hlo.kernels(text)),
+    temporaries=buffers.largest_temporaries(text),
     collectives=tuple(Collective(**c) for c in hlo.collectives(text)),
     intended=intended,
     lost=lost,

@@ -86,6 +86,10 @@ LINEN_NORMS = {
   "batch_train": functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9),
   "batch_train_no_bias": functools.partial(nn.BatchNorm, use_running_average=False, use_bias=False),
   "batch_eval": functools.partial(nn.BatchNorm, use_running_average=True),
+  "group": functools.partial(nn.GroupNorm, num_groups=4),
+  "group_size_8_exact_variance": functools.partial(
+    nn.GroupNorm, num_groups=None, group_size=8, use_fast_variance=False
+  ),
 }
 
 
@@ -187,6 +191,7 @@ NNX_NORMS = {
   "rms": lambda: nnx.RMSNorm(32, rngs=nnx.Rngs(0)),
   "batch_train": lambda: nnx.BatchNorm(32, momentum=0.9, rngs=nnx.Rngs(0)),
   "batch_eval": lambda: nnx.BatchNorm(32, use_running_average=True, rngs=nnx.Rngs(0)),
+  "group": lambda: nnx.GroupNorm(32, num_groups=4, rngs=nnx.Rngs(0)),
 }
 
 
@@ -355,3 +360,99 @@ def test_normalize_under_jit_and_remat():
   for a, b in zip(plain, remat, strict=True):  # jit may fuse differently: a few ulps
     assert a.dtype == b.dtype
     np.testing.assert_allclose(np.float32(a), np.float32(b), rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------ against float64 autodiff
+
+
+def _plain_norm(x, scale, bias, cfg, view):
+  """Flax's arithmetic in whatever dtype ``x`` has, under plain autodiff: the reference."""
+  shape = x.shape
+  x = x.reshape(view)
+  axes = cfg.reduction_axes
+  mean = jnp.mean(x, axes, keepdims=True) if cfg.subtract_mean else 0.0
+  var = jnp.mean(jnp.square(x - mean), axes, keepdims=True)
+  fshape = [x.shape[a] if a in cfg.feature_axes else 1 for a in range(x.ndim)]
+  y = (x - mean) * jax.lax.rsqrt(var + cfg.epsilon)
+  if scale is not None:
+    y = y * scale.reshape(fshape)
+  if bias is not None:
+    y = y + bias.reshape(fshape)
+  return y.reshape(shape), jnp.squeeze(mean + jnp.zeros_like(var), axes), jnp.squeeze(var, axes)
+
+
+# (name, input shape, view the statistics are taken in, reduction axes, feature axes, mean?)
+KERNELS = {
+  "batch": ((8, 5, 5, 16), (8, 5, 5, 16), (0, 1, 2), (3,), True),
+  "layer": ((4, 6, 32), (4, 6, 32), (2,), (2,), True),
+  "rms": ((4, 6, 32), (4, 6, 32), (2,), (2,), False),
+  "group": ((4, 3, 3, 32), (4, 3, 3, 4, 8), (1, 2, 4), (3, 4), True),
+}
+
+
+EPS32 = float(jnp.finfo(jnp.float32).eps)
+
+
+@pytest.mark.parametrize("statistics_cotangents", [False, True], ids=["y", "y_mean_var"])
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_backward_matches_float64_autodiff(name, statistics_cotangents):
+  """The float32 closed-form backward against autodiff of the same layer in float64.
+
+  Each gradient lies within a few float32 roundings of the float64 one, relative to
+  the terms it is computed from: ``rstd * |g * scale| * (2 + |x_hat|)`` for the input,
+  the sum of the absolute terms (times its depth) for the params.
+  """
+  shape, view, axes, features, subtract_mean = KERNELS[name]
+  x = _input(shape, jnp.float32)
+  fshape = (shape[-1],)
+  scale, bias = 1.0 + _input(fshape, jnp.float32, 1) / 4, _input(fshape, jnp.float32, 2)
+  bias = bias if subtract_mean else None  # RMSNorm has none
+  cfg = normalization._Config(axes, features, 1e-5, subtract_mean, False, np.dtype(jnp.float32))
+
+  def lean(x, scale, bias):
+    y, mean, var = normalization.normalize(
+      x.reshape(view),
+      scale,
+      bias,
+      reduction_axes=axes,
+      feature_axes=features,
+      epsilon=1e-5,
+      subtract_mean=subtract_mean,
+      fast_variance=False,
+    )
+    return y.reshape(shape), mean, var
+
+  got, lean_vjp = jax.vjp(lean, x, scale, bias)
+  cotangents = [_input(g.shape, jnp.float32, seed=10 + i) for i, g in enumerate(got)]
+  if not statistics_cotangents:  # BatchNorm's running averages: stop_gradient
+    cotangents[1:] = [jnp.zeros_like(c) for c in cotangents[1:]]
+  grads = lean_vjp(tuple(cotangents))
+  with jax.enable_x64(True):
+    x64, s64, b64, *ct64 = jax.tree.map(
+      lambda a: np.asarray(a, np.float64), (x, scale, bias, *cotangents)
+    )
+    want, ref_vjp = jax.vjp(lambda *a: _plain_norm(*a, cfg, view), x64, s64, b64)
+    wants = jax.tree.map(np.asarray, ref_vjp(tuple(ct64)))
+    y64 = np.asarray(want[0])
+
+  np.testing.assert_allclose(got[0], y64, rtol=0, atol=8 * EPS32 * np.abs(y64).max())
+  xv = x64.reshape(view)
+  centred = xv - (xv.mean(axes, keepdims=True) if subtract_mean else 0.0)
+  rstd = 1 / np.sqrt(np.mean(centred**2, axes, keepdims=True) + 1e-5)
+  xhat = np.abs(centred * rstd)
+  g = np.abs(ct64[0].reshape(view))
+  gamma = np.abs(s64.reshape([view[a] if a in features else 1 for a in range(len(view))]))
+  bounds = {"x": (rstd * g * gamma * (2 + xhat)).max()}
+  if statistics_cotangents:
+    bounds["x"] += np.abs(ct64[1]).max() + 2 * np.abs(ct64[2]).max() * np.abs(x64).max()
+  params = tuple(a for a in range(len(view)) if a not in features)
+  depth = np.log2(np.prod([view[a] for a in params])) + 1
+  bounds["scale"] = depth * (g * xhat).sum(params).max()
+  bounds["bias"] = depth * g.sum(params).max()
+  for arg, grad, ref in zip(("x", "scale", "bias"), grads, wants, strict=True):
+    if ref is None:
+      assert grad is None
+      continue
+    assert grad.dtype == jnp.float32 and grad.shape == ref.shape, arg
+    tol = 4 * EPS32 * bounds[arg]
+    np.testing.assert_allclose(np.float64(grad), ref, rtol=0, atol=tol, err_msg=arg)

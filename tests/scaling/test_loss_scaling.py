@@ -839,6 +839,8 @@ def test_the_first_non_finite_leaf_is_recorded_and_named(use_jit):
 
 
 _LEAF_SHAPES = [(), (1,), (31,), (32,), (33,), (3, 64), (2, 33, 32), (96, 33), (7, 45), (65,)]
+_CHECK_TX = mpx.dynamic_loss_scale(optax.sgd(1.0), min_scale=2.0**-30)
+_CHECK_UPDATE = jax.jit(_CHECK_TX.update)
 
 
 @pytest.mark.filterwarnings("ignore:.*no float32 master copy:mpx.PrecisionWarning")
@@ -870,8 +872,9 @@ def test_the_check_and_the_attribution_match_numpy(shapes, dtype, log2_scale, ba
   finite = [bool(np.all(np.abs(g.astype(np.float64) / scale) <= f32_max)) for g in grads]
   tree = {f"leaf{i}": jnp.asarray(g) for i, g in enumerate(grads)}
   params = jax.tree.map(lambda g: jnp.zeros(g.shape, F32), tree)
-  tx = mpx.dynamic_loss_scale(optax.sgd(1.0), initial_scale=scale, min_scale=2.0**-30)
-  _, state = jax.jit(tx.update)(tree, tx.init(params), params)
+  # The scale as state, through one jitted update: examples of equal shapes share a compile.
+  state = _CHECK_TX.init(params)._replace(loss_scale=jnp.float32(scale))
+  _, state = _CHECK_UPDATE(tree, state, params)
   expected_leaf = finite.index(False) if False in finite else -1
   assert bool(state.last_step_skipped) == (expected_leaf >= 0)
   assert int(state.nonfinite_leaf) == expected_leaf

@@ -72,7 +72,7 @@ class KeepRules:
     softmax_in_float32: give Flax attention layers left at Flax's default
       attention function :func:`mpx.dot_product_attention` instead, whose
       softmax runs in float32 between half-precision matmuls.
-    lean_norms: compute a ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` that
+    lean_norms: compute a ``LayerNorm``, ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` that
       runs in float32 inside a half-precision parent with mpx's kernels
       instead of Flax's code: the same float32 arithmetic on the layer's own
       params and statistics, but the backward pass keeps only the

@@ -1,6 +1,6 @@
 """A Flax normalisation layer's call, computed by the lean float32 kernels instead of Flax's code.
 
-Where a ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` computes in float32 inside
+Where a ``LayerNorm``, ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` computes in float32 inside
 a half-precision parent, the adapters hand its call here instead of casting
 its input to float32 and running Flax's body: the layer's own params and
 running statistics (read and written through the adapter's accessors) go
@@ -20,8 +20,8 @@ import jax
 from mpx._src import tree as tree_lib
 from mpx._src.ops import normalization
 
-#: The layer kinds the kernels cover: Flax's LayerNorm, RMSNorm and BatchNorm.
-KINDS = ("layer", "rms", "batch")
+#: The layer kinds the kernels cover: Flax's LayerNorm, RMSNorm, BatchNorm and GroupNorm.
+KINDS = ("layer", "rms", "batch", "group")
 
 Param = Callable[[str, tuple[int, ...]], jax.Array]
 Stats = Callable[[tuple[int, ...]], tuple[jax.Array, jax.Array]]
@@ -62,9 +62,9 @@ def call(
   Args:
     layer: the linen or NNX layer (its ``epsilon``, ``use_scale``,
       ``use_bias``, ``reduction_axes`` / ``feature_axes`` or ``axis``,
-      ``momentum``, ``use_running_average``, ``use_fast_variance`` and
-      ``axis_name`` are read).
-    kind: ``"layer"``, ``"rms"`` or ``"batch"``.
+      ``momentum``, ``use_running_average``, ``use_fast_variance``,
+      ``num_groups`` / ``group_size`` and ``axis_name`` are read).
+    kind: one of :data:`KINDS`.
     args: the call's positional arguments.
     kwargs: the call's keyword arguments.
     dtype: the dtype of the output (the parent's compute dtype).
@@ -77,7 +77,9 @@ def call(
   Returns:
     The layer's output in ``dtype``, or ``None`` for a call the kernels do not
     cover (a ``mask``, statistics averaged over a named device axis, an
-    unknown argument): the adapter then runs Flax's own code.
+    unknown argument, a ``GroupNorm`` with other than its default reduction
+    axes or with groups that do not divide the channels): the adapter then
+    runs Flax's own code, which raises Flax's own errors.
   """
   parsed = _parse(kind, args, kwargs)
   if parsed is None or getattr(layer, "axis_name", None) is not None:
@@ -87,8 +89,10 @@ def call(
     use_running_average = _running_average(layer, use_running_average, call_overrides_attribute)
     if use_running_average is None:
       return None
-  feature_axes, reduction_axes = _axes(kind, layer, x.ndim)
-  shape = tuple(x.shape[a] for a in feature_axes)
+  layout = _layout(kind, layer, x.shape, call_overrides_attribute)
+  if layout is None:
+    return None
+  shape, view, feature_axes, reduction_axes = layout
   scale = param("scale", shape) if layer.use_scale else None
   bias = param("bias", shape) if kind != "rms" and layer.use_bias else None
   if kind == "batch" and use_running_average:
@@ -105,7 +109,7 @@ def call(
       dtype=dtype,
     )
   y, mean, var = normalization.normalize(
-    x,
+    x.reshape(view),
     scale,
     bias,
     reduction_axes=reduction_axes,
@@ -115,6 +119,7 @@ def call(
     fast_variance=layer.use_fast_variance,
     dtype=dtype,
   )
+  y = y.reshape(x.shape)
   if kind == "batch":
     _update_statistics(layer.momentum, stats(shape), set_stats, mean, var)
   return y
@@ -130,15 +135,46 @@ def _running_average(layer: Any, argument: Any, call_overrides_attribute: bool) 
   return argument
 
 
-def _axes(kind: str, layer: Any, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-  """``(feature_axes, reduction_axes)`` of a layer's call on an ``ndim``-dimensional input."""
+def _layout(
+  kind: str, layer: Any, shape: tuple[int, ...], call_overrides_attribute: bool
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+  """How a layer normalises an input of ``shape``, or ``None`` for a layout left to Flax's code.
+
+  Returns:
+    ``(param shape, view, feature axes, reduction axes)``: the input is
+    normalised as ``x.reshape(view)`` over the reduction axes of that view,
+    its params varying along the feature axes. The view is ``shape`` itself
+    except for GroupNorm, which splits the channels into (groups, group size).
+  """
+  ndim = len(shape)
   if kind == "batch":
     feature_axes = normalization.canonical_axes(ndim, layer.axis)
-    return feature_axes, tuple(a for a in range(ndim) if a not in feature_axes)
-  return (
-    normalization.canonical_axes(ndim, layer.feature_axes),
-    normalization.canonical_axes(ndim, layer.reduction_axes),
-  )
+    reduction_axes = tuple(a for a in range(ndim) if a not in feature_axes)
+  elif kind == "group":
+    return _group_layout(layer, shape, call_overrides_attribute)
+  else:
+    feature_axes = normalization.canonical_axes(ndim, layer.feature_axes)
+    reduction_axes = normalization.canonical_axes(ndim, layer.reduction_axes)
+  return tuple(shape[a] for a in feature_axes), shape, feature_axes, reduction_axes
+
+
+def _group_layout(layer: Any, shape: tuple[int, ...], call_overrides_attribute: bool) -> Any:
+  """GroupNorm's layout (see :func:`_layout`): statistics per example and group of channels."""
+  ndim, channels = len(shape), shape[-1]
+  default_axes = tuple(range(1, ndim))
+  axes = layer.reduction_axes
+  if ndim < 2 or (axes is not None and normalization.canonical_axes(ndim, axes) != default_axes):
+    return None
+  num_groups, group_size = layer.num_groups, layer.group_size
+  if group_size is not None:
+    # Linen takes one of the two (Flax raises on both); NNX stores both, consistent.
+    if num_groups is not None and not call_overrides_attribute:
+      return None
+    num_groups = channels // group_size if channels % group_size == 0 else None
+  if not num_groups or num_groups <= 0 or channels % num_groups:
+    return None
+  view = (*shape[:-1], num_groups, channels // num_groups)
+  return (channels,), view, (ndim - 1, ndim), (*default_axes[:-1], ndim)
 
 
 def _update_statistics(

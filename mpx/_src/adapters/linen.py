@@ -10,7 +10,7 @@ and writes it into the copy's fields, which the body then reads; the user's
 module objects are never touched. The copies Flax's lifted transforms build
 have a ``Scope`` for parent: their enclosing layer is the one seen at the
 longest shorter path, so only the model itself is the root. A float32
-``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision parent is
+``LayerNorm``, ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` in a half-precision parent is
 computed by ``mpx._src.adapters.lean_norms`` on the copy's own params and
 statistics instead of its body (after ``init``, which runs Flax's code to
 create them); float8 contractions come from ``mpx._src.adapters.linen_fp8``.
@@ -40,6 +40,7 @@ _LEAN_NORM_KINDS: dict[type, str] = {
   nn.LayerNorm: "layer",
   nn.RMSNorm: "rms",
   nn.BatchNorm: "batch",
+  nn.GroupNorm: "group",
 }
 
 
@@ -356,7 +357,7 @@ def apply_policy(
   (see :func:`mpx.cast_tree`).
 
   Lean norms (``rules.lean_norms``, the default): a ``LayerNorm``,
-  ``RMSNorm`` or ``BatchNorm`` that computes in float32 inside a
+  ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` that computes in float32 inside a
   half-precision parent is computed by mpx's kernels from its own params and
   ``batch_stats`` (updated as Flax updates them): the same float32
   arithmetic, an output in the parent's compute dtype, and a backward pass

@@ -7,7 +7,7 @@ interceptor, so a layer that casts at its boundary gets its class swapped for a
 cached same-named subclass whose ``__call__`` casts
 (``mpx._src.adapters.class_swap``); the subclass is part of
 the graph definition and survives ``nnx.split`` / ``nnx.merge``. The same
-``__call__`` hands a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a
+``__call__`` hands a float32 ``LayerNorm``, ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` in a
 half-precision parent to ``mpx._src.adapters.lean_norms``, which computes it
 from the layer's own params and statistics. Float8 contractions come from
 ``mpx._src.adapters.nnx_fp8``. The user-facing account is
@@ -34,6 +34,7 @@ _LEAN_NORM_KINDS: dict[type, str] = {
   nnx.LayerNorm: "layer",
   nnx.RMSNorm: "rms",
   nnx.BatchNorm: "batch",
+  nnx.GroupNorm: "group",
 }
 
 
@@ -239,8 +240,8 @@ def apply_policy(
   along, and ``pickle`` / ``copy.deepcopy`` restore it.
 
   Lean norms (``rules.lean_norms``, the default): that ``__call__`` computes
-  a float32 ``LayerNorm``, ``RMSNorm`` or ``BatchNorm`` in a half-precision
-  parent with mpx's kernels, from the layer's own params and statistics
+  a float32 ``LayerNorm``, ``RMSNorm``, ``BatchNorm`` or ``GroupNorm`` in a
+  half-precision parent with mpx's kernels, from the layer's own params and statistics
   (updated as Flax updates them): the same float32 arithmetic, an output in
   the parent's compute dtype, and a backward pass that keeps the
   half-precision input and float32 per-row statistics instead of float32

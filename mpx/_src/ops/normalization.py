@@ -83,6 +83,11 @@ def _param_cotangent(
   return summed.reshape(param.shape).astype(param.dtype)
 
 
+def _as_param(summed: jax.Array, param: Any) -> Any:
+  """A sum over every axis but the feature axes, kept as size-1 axes, in a param's shape and dtype."""
+  return None if param is None else summed.reshape(param.shape).astype(param.dtype)
+
+
 def _unwrap(primal: Any) -> Any:
   return jax.tree.map(lambda p: p.value, primal)
 
@@ -146,22 +151,31 @@ def _normalize_bwd(cfg, res, cotangents):
   x, scale, bias, mean, rstd = res
   g_y, g_mean, g_var = cotangents
   axes = cfg.reduction_axes
-  x32 = x.astype(F32)
-  centred = x32 - mean
+  count = math.prod(x.shape[a] for a in axes)
+  centred = x.astype(F32) - mean
   xhat = centred * rstd
   dx = jnp.zeros(x.shape, F32)
   d_scale = d_bias = None
   if not _is_zero(g_y):
     g = g_y.astype(F32)
-    d_bias = _param_cotangent(g, bias, x, cfg.feature_axes)
-    d_scale = _param_cotangent(g * xhat, scale, x, cfg.feature_axes)
-    g_hat = g if scale is None else g * _feature(scale, x, cfg.feature_axes)
-    inner = g_hat - xhat * jnp.mean(g_hat * xhat, axes, keepdims=True)
-    if cfg.subtract_mean:
-      inner = inner - jnp.mean(g_hat, axes, keepdims=True)
-    dx = rstd * inner
+    gamma = 1.0 if scale is None else _feature(scale, x, cfg.feature_axes)
+    param_axes = tuple(a for a in range(x.ndim) if a not in cfg.feature_axes)
+    if param_axes == axes:
+      # BatchNorm: the params' sums are the statistics' sums, gamma is constant along them:
+      # one pass over x and g reduces the two, the second computes dx from them directly.
+      sum_g = jnp.sum(g, axes, keepdims=True)
+      sum_gx = jnp.sum(g * xhat, axes, keepdims=True)
+      d_bias, d_scale = _as_param(sum_g, bias), _as_param(sum_gx, scale)
+      centre = sum_g if cfg.subtract_mean else 0.0
+      dx = rstd * (g * gamma - gamma / count * (centre + xhat * sum_gx))
+    else:
+      d_bias = _param_cotangent(g, bias, x, cfg.feature_axes)
+      d_scale = _param_cotangent(g * xhat, scale, x, cfg.feature_axes)
+      inner = g * gamma - xhat * jnp.mean(g * gamma * xhat, axes, keepdims=True)
+      if cfg.subtract_mean:
+        inner = inner - jnp.mean(g * gamma, axes, keepdims=True)
+      dx = rstd * inner
   # The statistics outputs (BatchNorm's running averages read them).
-  count = math.prod(x.shape[a] for a in axes)
   if cfg.subtract_mean and not _is_zero(g_mean):
     dx = dx + jnp.expand_dims(g_mean.astype(F32), axes) / count
   if not _is_zero(g_var):

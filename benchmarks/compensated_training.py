@@ -114,7 +114,7 @@ def train(policy: str, make_tx, *, lr: float, steps: int, batch: int = 128) -> d
     params, opt_state = carry
     loss, grads = mpx.value_and_grad(lambda p: loss_fn(p, idx), opt_state)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (mpx.apply_updates(params, updates, opt_state), opt_state), loss
+    return (mpx.apply_updates(params, updates), opt_state), loss
 
   @jax.jit
   def run(params, opt_state):

@@ -104,17 +104,23 @@ def program_row(name: str, report: Any, base: dict[str, float] | None) -> dict[s
   return row
 
 
-def measure_ms(model: Any, policy: Any, rules: Any, x: Any, repeats: int) -> float:
-  """The median wall time of the block's gradient step under a policy, on this GPU."""
+def block_step(model: Any, policy: Any, rules: Any, x: Any) -> tuple[Any, tuple[Any, ...]]:
+  """``(jitted gradient step, its arguments)`` of the block under a policy and keep rules."""
   wrapped = mpx.linen.apply_policy(model, policy, rules=rules)
   batch = jax.random.normal(jax.random.key(1), x.shape, x.dtype)
   diff, rest = planner_linen._split(wrapped.init(jax.random.key(0), batch))  # pyright: ignore[reportPrivateUsage]
   step = jax.jit(planner_linen._step(wrapped, plan_lib.default_loss))  # pyright: ignore[reportPrivateUsage]
-  jax.block_until_ready(step(diff, rest, batch))  # compile and warm up
+  return step, (diff, rest, batch)
+
+
+def measure_ms(model: Any, policy: Any, rules: Any, x: Any, repeats: int) -> float:
+  """The median wall time of the block's gradient step under a policy, on this GPU."""
+  step, args = block_step(model, policy, rules, x)
+  jax.block_until_ready(step(*args))  # compile and warm up
   times = []
   for _ in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(step(diff, rest, batch))
+    jax.block_until_ready(step(*args))
     times.append(1e3 * (time.perf_counter() - start))
   return statistics.median(times)
 

@@ -2,13 +2,14 @@
 # One fixed-length session on a lent GPU: everything mpx measures on a real device, in order of
 # value, each stage under its own time limit, so that a lease of BUDGET seconds ends with results.
 #
-#   BUDGET=540 OUT=/tmp/gpu bash benchmarks/gpu_lease.sh
+#   BUDGET=480 OUT=/tmp/gpu bash benchmarks/gpu_lease.sh
 #
 # Uses the machine's own jax, flax, optax and chex (flax 0.12.8, this repository's floor, does
 # not import under jax 0.11), and jmp from a wheel in .whl/ if there. Writes, under $OUT:
-# versions.txt, fp8_speed.json, run_gpt2.json and run_resnet50.json.
+# versions.txt, gpu_lease.json and gpu_lease.md (the table for docs/benchmarks.md), one JSON per
+# study, and fp8_speed.json.
 set -u
-BUDGET=${BUDGET:-540}
+BUDGET=${BUDGET:-480}
 OUT=${OUT:?set OUT to a folder for the results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -42,16 +43,10 @@ EOF
 versions >>"$OUT/versions.txt" 2>&1 || { cat "$OUT/versions.txt"; exit 3; }
 cat "$OUT/versions.txt"
 
-# GPT-2 first: its workers compile for longest (an H200 worker passed 150 s on 2026-11-26).
-log "run.py GPT-2 ($(left) s left)"
-timeout $(($(left) - 20)) python3 benchmarks/run.py --models gpt2_linen --steps 30 --timeout 400 \
-  --configs mpx_bf16 bf16_flax mpx_f16 jmp_f16 f32 mpx_fp8 mpx_bf16_flax_norms \
-  --deadline $(($(left) / 2 - 40)) --out "$OUT/run_gpt2.json"
-
-log "run.py ResNet-50 ($(left) s left)"
-timeout $(($(left) - 10)) python3 benchmarks/run.py --models resnet50 --steps 30 --timeout 150 \
-  --configs mpx_bf16_flax_norms mpx_bf16 bf16_flax mpx_fp8 mpx_f16 jmp_f16 f32 mpx_f16_masters \
-  --deadline $(($(left) - 200)) --out "$OUT/run_resnet50.json"
+# The studies of gpu_lease.py, in order of value (GPT-2 and ResNet-50 beside Flax and jmp by hand,
+# the launch cost, the Llama block in bf16 and float8), each with the roofline model's prediction.
+log "gpu_lease.py ($(left) s left)"
+timeout $(($(left) - 20)) python3 benchmarks/gpu_lease.py --budget $(($(left) - 90)) --out "$OUT"
 
 log "fp8_speed ($(left) s left)"
 timeout $(($(left) - 5)) python3 benchmarks/fp8_speed.py \

@@ -94,7 +94,7 @@ def run(config_name: str, reduce_dtype: str, settings: demo.Settings, data, mesh
     grads = mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam under strict promotion
       updates, opt_state = tx.update(grads, opt_state, params)
-    params = mpx.apply_updates(params, updates, opt_state)
+    params = mpx.apply_updates(params, updates)
     return params, opt_state, jax.lax.pmean(loss, "data")
 
   step = jax.jit(

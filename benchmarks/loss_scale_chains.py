@@ -104,7 +104,7 @@ def _compiled(model: str, chain: str, loss_scale: str | None, target: str, smoke
       params, state, batch
     )
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (mpx.apply_updates(params, updates, opt_state), opt_state, state), loss
+    return (mpx.apply_updates(params, updates), opt_state, state), loss
 
   params, state = jax.eval_shape(init)
   carry = (params, jax.eval_shape(tx.init, params), state)

@@ -198,7 +198,7 @@ def train(layout: Layout, settings: demo.Settings, data: Data) -> dict[str, Any]
     (_, loss), grads = mpx.value_and_grad(objective, opt_state, has_aux=True)(params, windows)
     with jax.numpy_dtype_promotion("standard"):  # optax's adam: python float ** int32 count
       updates, opt_state = tx.update(grads, opt_state, params)
-    params = mpx.apply_updates(params, updates, opt_state)
+    params = mpx.apply_updates(params, updates)
     return (params, opt_state), (loss, _fingerprint(params))
 
   @settings.jit

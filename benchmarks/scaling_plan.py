@@ -168,7 +168,7 @@ def compile_step(
   def step(params: Any, opt_state: Any, tokens: jax.Array) -> tuple[Any, Any, jax.Array]:
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+    return mpx.apply_updates(params, updates), opt_state, loss
 
   tokens = jax.ShapeDtypeStruct(
     tokens.shape, tokens.dtype, sharding=NamedSharding(mesh, P(batch_axes))

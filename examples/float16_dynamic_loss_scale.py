@@ -95,7 +95,7 @@ def main() -> int:
 
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+    return mpx.apply_updates(params, updates), opt_state, loss
 
   @jax.jit
   def accuracy(params, x, y):

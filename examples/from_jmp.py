@@ -131,7 +131,7 @@ def mpx_loop(params, args):
     params, opt_state = state
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, x, y)
     updates, opt_state = tx.update(grads, opt_state, params)
-    params = mpx.apply_updates(params, updates, opt_state)
+    params = mpx.apply_updates(params, updates)
     m = mpx.loss_scale_metrics(opt_state)
     return (params, opt_state), (loss, m["loss_scale"], m["last_step_skipped"])
 

@@ -133,7 +133,7 @@ _SCRIPT = textwrap.dedent(
             else:
                 grads = mpx.parallel.all_reduce_gradients(grads, "data", reduce_dtype=reduce_dtype)
             updates, opt_state = tx.update(grads, opt_state, params)
-            params = mpx.apply_updates(params, updates, opt_state)
+            params = mpx.apply_updates(params, updates)
             # Every device's own copy, stacked, to show they agree.
             mine = jax.tree.map(lambda x: x[None], (params, opt_state.loss_scale, opt_state.skipped_steps))
             return params, opt_state, mine
@@ -263,7 +263,7 @@ _SCRIPT = textwrap.dedent(
             return mlp_loss(full, policy.cast_to_compute(x), y)
         _, grads = mpx.value_and_grad(loss, s)(p)
         updates, s = fsdp_tx.update(grads, s, p)
-        return mpx.apply_updates(p, updates, s), s, s.skipped_steps[None]
+        return mpx.apply_updates(p, updates), s, s.skipped_steps[None]
 
     step_fn = jax.jit(jax.shard_map(
         fsdp_step, mesh=mesh, in_specs=(fsdp_specs, state_specs, P("data"), P("data")),
@@ -314,6 +314,7 @@ def _gradient_reductions(found):
   return [(dt, size) for dt, size in found if size > 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_program_reduces_the_gradients_in_the_half_dtype(report, dtype):
   short = {"float16": "f16", "bfloat16": "bf16"}[dtype]

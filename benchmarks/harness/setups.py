@@ -240,7 +240,7 @@ def _mpx_step(loss_fn, tx):
       params, state, batch
     )
     updates, opt_state = tx.update(grads, opt_state, params)
-    return (mpx.apply_updates(params, updates, opt_state), opt_state, state), loss
+    return (mpx.apply_updates(params, updates), opt_state, state), loss
 
   return step
 

@@ -242,7 +242,7 @@ def train(config: RunConfig, settings: Settings, data: Data) -> RunResult:
     # optax's adam computes python-float ** int32 step counts, which strict promotion rejects.
     with jax.numpy_dtype_promotion("standard"):
       updates, opt_state = tx.update(grads, opt_state, params)
-    params = mpx.apply_updates(params, updates, opt_state)
+    params = mpx.apply_updates(params, updates)
     after = mpx.loss_scale_metrics(opt_state)
     return (
       params,

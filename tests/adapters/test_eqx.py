@@ -343,7 +343,7 @@ def test_every_optimizer_layout_updates_an_equinox_model_with_mpx_apply_updates(
     params = eqx.filter(model, eqx.is_inexact_array)
     updates, opt_state = tx.update(grads, opt_state, params)
     # The whole model: its activation functions get no update and stay as they are.
-    return mpx.apply_updates(model, updates, opt_state), opt_state, loss
+    return mpx.apply_updates(model, updates), opt_state, loss
 
   new, opt_state, loss = step(model, opt_state)
   assert bool(jnp.isfinite(loss)), name

@@ -192,7 +192,7 @@ def test_a_layer_called_twice_records_the_larger_amax_of_its_calls():
 
 @pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 def test_the_h100_audit_of_an_equinox_train_step_finds_float8_gemms_by_layer_path():
   class Mlp(eqx.Module):

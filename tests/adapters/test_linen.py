@@ -164,6 +164,7 @@ def test_user_objects_are_not_mutated():
   assert hidden.dtype is None and raw.hidden.dtype is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16"])
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_decoder_train_step_all_half_matmuls(name, accumulate):

@@ -181,6 +181,7 @@ class CopiedLayers(nn.Module):
     return x
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", all_but(["float16", "mixed_float16"], "mixed_float16"))
 def test_many_inits_with_jitted_and_rematted_layers_give_the_same_param_dtypes(preset):
   policy = mpx.get_policy(preset)
@@ -198,6 +199,7 @@ def test_many_inits_with_jitted_and_rematted_layers_give_the_same_param_dtypes(p
     assert got == {name: {dtype} for name, dtype in expected.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", all_but([None, "mixed_float16"], "mixed_float16"))
 @pytest.mark.parametrize(
   "transform", all_but(["remat", "scan", "scan_over_remat"], "scan_over_remat")
@@ -309,11 +311,12 @@ def _llama_setup(preset: str, *, scan: bool = True):
     updates, opt_state = tx.update(grads, opt_state, params)
     # The scanned layers' histories are stacked (layers, history + 1), one row per layer.
     history = mpx.fp8.update_fp8_state(history, observed)
-    return mpx.apply_updates(params, updates, opt_state), history, opt_state, loss
+    return mpx.apply_updates(params, updates), history, opt_state, loss
 
   return policy, params, history, tx, train_step, (inputs, targets)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", all_but(PRESETS, "mixed_float16"))
 def test_llama_decoder_scanned_over_remat_blocks_trains_under_every_preset(preset):
   policy, params, history, tx, train_step, _ = _llama_setup(preset)
@@ -342,6 +345,7 @@ def _signature(op):
   return (op.kind, op.is_backward, op.is_fp8, *map(str, dtypes), op.lhs_shape, op.rhs_shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", all_but(PRESETS, "mixed_bfloat16"))
 def test_llama_audit_shares_are_those_of_the_unrolled_model(preset):
   reports = {}

@@ -70,6 +70,7 @@ def _audit(name, *, stacked):
   return mpx.audit(_train_step(policy), model, optimizer, *_batch(), nnx.Rngs(dropout=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", all_but(PRESETS, "mixed_float16"))
 def test_stacked_decoder_trains_under_every_preset(name):
   policy, model, optimizer = _setup(name, stacked=True)
@@ -141,6 +142,7 @@ def _stage_stack(policy_inside):
   return make(nnx.Rngs(0))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", all_but(["after_vmap", "inside_vmap"], "inside_vmap"))
 def test_delayed_fp8_histories_follow_an_nnx_vmap_stack(where):
   name = "mixed_float8_delayed"
@@ -172,6 +174,7 @@ def test_delayed_fp8_histories_follow_an_nnx_vmap_stack(where):
     assert bool(np.all(history[:, 0] == 0)) and bool(np.all(history[:, 1] > 0))
 
 
+@pytest.mark.slow
 def test_activations_and_locator_tap_outside_the_transforms_and_skip_inside():
   _, model, optimizer = _setup("mixed_float16", stacked=True)
   rngs = nnx.Rngs(dropout=1)

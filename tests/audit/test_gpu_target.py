@@ -23,7 +23,7 @@ from mpx._src.ops import quantize as quantize_lib
 
 needs_plugin = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 
 

@@ -123,6 +123,7 @@ def test_taps_leave_the_values_bitwise_unchanged():
   assert np.asarray(root_in).tobytes() == np.asarray(x).tobytes()  # -0.0 stays -0.0
 
 
+@pytest.mark.slow
 def test_histograms_by_default_and_a_range_report_statistic():
   loss_fn, params, _ = linen_setup("mixed_float16")
   stats = mpx.linen.collect_activations(loss_fn, params, X, loss_scale=SCALE)

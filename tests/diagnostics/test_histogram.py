@@ -70,6 +70,7 @@ def test_float32_subnormals_and_edges_land_in_their_buckets(use_jit):
   assert int(h.zeros) == 2
 
 
+@pytest.mark.slow
 def test_total_and_per_leaf_agree_and_ignore_integer_leaves():
   tree = {
     "a": random_bits(1, np.float32, 50),

@@ -88,6 +88,7 @@ def test_a_finite_step(api):
   assert report.probes == ((SCALE, True),)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", list(LOCATE))
 def test_a_backward_overflow_is_named_and_absorbed_by_a_smaller_scale(api):
   report = LOCATE[api]("backward_overflow", loss_scale=SCALE)
@@ -114,6 +115,7 @@ def test_a_backward_nan_is_genuine(api):
   assert int(grads.nans) > 0 and int(report.stats.output_grads["rigged"].nans) == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", list(LOCATE))
 @pytest.mark.parametrize("rig", ["forward_overflow", "forward_nan"])
 def test_a_forward_failure_is_named_and_genuine_at_any_scale(api, rig):

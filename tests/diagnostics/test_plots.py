@@ -24,6 +24,7 @@ def spans(ax):
   return sorted(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("shift", "dtype"), [(0, "float16"), (10, "float16"), (3, "float8_e4m3fn")]
 )

@@ -109,6 +109,7 @@ def at_boundaries_after_scaling(target, k):
 SCALE_EXPONENTS = st.one_of(st.integers(-30, 30), st.sampled_from([-126, -100, 100, 126]))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
   seed=st.integers(0, 2**32 - 1),
@@ -259,6 +260,7 @@ def test_names_are_accepted():
   assert float(a.overflow) == float(b.overflow) == 0.5 and float(c.overflow) == 0.5
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(
   seed=st.integers(0, 2**32 - 1),

@@ -103,7 +103,7 @@ _SCRIPT = textwrap.dedent(
             updates, opt_state = tx.update(grads, opt_state, params)
         # A skipped step leaves the histories as it leaves the params.
         collections = mpx.fp8.update_fp8_state(collections, observed, opt_state=opt_state)
-        params = mpx.apply_updates(params, updates, opt_state)
+        params = mpx.apply_updates(params, updates)
         return {"params": params, "opt_state": opt_state, **collections}, loss
 
 

@@ -75,7 +75,7 @@ def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = Fa
   def step(params, opt_state, rest, tokens):
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, rest, tokens)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+    return mpx.apply_updates(params, updates), opt_state, loss
 
   args = (
     abstract_params,

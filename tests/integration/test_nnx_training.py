@@ -137,6 +137,7 @@ def _assert_stats(got, want, *, exact):
   assert any(float(np.abs(x).sum()) > 0 for x in first)  # the statistics did move
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16", "mixed_float16"])
 def test_cnn_under_a_policy_trains_like_nnx_value_and_grad(policy):
   want_stats, want_count = _reference()

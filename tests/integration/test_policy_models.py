@@ -205,6 +205,7 @@ def _train(setup: str, policy: str, lr: float) -> np.ndarray:
   return np.asarray(jax.device_get(losses))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("setup", "lr"),
   all_but(

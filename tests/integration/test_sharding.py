@@ -50,7 +50,7 @@ _SCRIPT = textwrap.dedent(
     @jax.jit
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
-        return mpx.apply_updates(params, updates, state), state
+        return mpx.apply_updates(params, updates), state
 
     grads = jax.tree.map(lambda p: jnp.ones_like(p) * jnp.asarray(2.0**-4, p.dtype), params)
     params, state = step(params, state, grads)  # compiles; places every leaf on the mesh

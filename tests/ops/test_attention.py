@@ -77,6 +77,7 @@ def test_attention_half_operands_float32_softmax():
   )
 
 
+@pytest.mark.slow
 def test_attention_gradient_matches_flax_with_a_fully_masked_row():
   q, k, v = jax.random.normal(jax.random.key(0), (3, 2, 5, 2, 4))
   mask = jnp.tril(jnp.ones((5, 5), bool)).at[2].set(False)[None, None]  # query 2 sees nothing
@@ -185,7 +186,7 @@ def test_the_unfused_path_names_its_reason_and_the_layer_path_ignores_it():
 
 needs_plugin = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 
 

@@ -1,7 +1,7 @@
 """The float8 policies on the program XLA builds for an H100: float8 GEMMs, forward and backward.
 
-Compiled without a GPU through jax's CUDA plugin (``pip install -e
-".[gpu-target]"``, ``JAX_PLATFORMS=cpu``); skipped without the plugin. XLA
+Compiled without a GPU through jax's CUDA plugin (``python -m
+mpx.gpu_target``); skipped without it (CI fails instead). XLA
 erases a quantise-dequantise round trip before a bfloat16 ``dot_general``, so
 only what reaches the compiled GEMMs shows whether a policy runs float8.
 """
@@ -23,7 +23,7 @@ from mpx._src.audit import targets
 
 pytestmark = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -215,6 +215,7 @@ def test_each_quantised_tensor_costs_at_most_three_kernels_beyond_bfloat16(polic
   assert extra <= 3 * 12, extra
 
 
+@pytest.mark.slow
 def test_delayed_scaling_moves_fewer_bytes_than_bfloat16():
   # Its scales are known before the tensors are read: each is quantised in the pass
   # that produces it or reads it once, with the amax to record as a side output, and

@@ -111,6 +111,7 @@ def _linen_run(make, dtype, rules, x):
   return y, grads, new_stats, loss, params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", list(LINEN_NORMS))
 def test_linen_norms_match_flax(name, dtype):

@@ -28,7 +28,7 @@ from mpx._src.audit import targets
 
 pytestmark = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 
 
@@ -91,7 +91,7 @@ def _audit(module, x_shape, tx, *, grad_fn=jax.value_and_grad, cast=None):
     def step(params, opt_state, stats, x):
       (loss, stats), grads = grad_fn(loss_fn, opt_state, has_aux=True)(params, stats, x)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return mpx.apply_updates(params, updates, opt_state), opt_state, stats, loss
+      return mpx.apply_updates(params, updates), opt_state, stats, loss
 
     step = jax.jit(step, donate_argnums=(0, 1))
     return mpx.audit(step, params, opt_state, stats, x, target="h100")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 _SCRIPT = textwrap.dedent(
   """
     import jax, jax.numpy as jnp, optax
@@ -88,6 +90,7 @@ _SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_buffers_and_moments_share_param_sharding_and_rounding_ignores_it():
   # Added to conftest.py's XLA_FLAGS, whose LLVM setting cuts the compile time by a third.
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"

@@ -221,6 +221,7 @@ def test_errors_name_the_accepted_formats_and_the_leaf():
   mpx.check_state(tx.init(params), params, "float32", state_dtype="int8")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_orbax_round_trip_resumes_bitwise(fmt, tmp_path):
   params = {"w": jnp.linspace(-1, 1, 8192).reshape(16, 512), "b": jnp.zeros(512)}
@@ -245,6 +246,7 @@ def test_orbax_round_trip_resumes_bitwise(fmt, tmp_path):
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("fmt", "dtype"),
   all_but(

@@ -50,12 +50,12 @@ def test_small_updates_are_not_rounded_away(dtype, step, num_steps, target):
     def body(carry, _):
       params, state = carry
       updates, state = tx.update({"w": grad}, state, params)
-      return (apply(params, updates, state), state), None
+      return (apply(params, updates), state), None
 
     (params, state), _ = jax.lax.scan(body, (params, tx.init(params)), length=num_steps)
     return params, state
 
-  plain, _ = jax.jit(lambda: run(optax.sgd(1.0), lambda p, u, s: optax.apply_updates(p, u)))()
+  plain, _ = jax.jit(lambda: run(optax.sgd(1.0), optax.apply_updates))()
   assert plain["w"] == 1.0  # every update is below half an ulp of 1.0
 
   tx = mpx.with_master_params(optax.sgd(1.0))
@@ -69,7 +69,7 @@ def test_small_updates_are_not_rounded_away(dtype, step, num_steps, target):
   # optax.apply_updates lands on the same weights (under JAX's default promotion: the updates
   # of half params with masters are float32).
   with jax.numpy_dtype_promotion("standard"):
-    params_optax, _ = jax.jit(lambda: run(tx, lambda p, u, s: optax.apply_updates(p, u)))()
+    params_optax, _ = jax.jit(lambda: run(tx, optax.apply_updates))()
   assert _bits(params_optax["w"]) == _bits(params["w"])
 
 
@@ -101,7 +101,7 @@ def _random_walk(dtype, seed, num_steps=200, size=512):
     m = state.master_params["w"]
     wanted = jnp.clip(jnp.where(jump, value, m * (1 + rel)), -maxval, maxval)
     updates, state = tx.update({"w": m - wanted}, state, {"w": params})
-    exact = mpx.apply_updates({"w": params}, updates, state)["w"]
+    exact = mpx.apply_updates({"w": params}, updates)["w"]
     with jax.numpy_dtype_promotion("standard"):  # as users call it; strict rejects f16 + f32
       via_optax = optax.apply_updates({"w": params}, updates)["w"]
     out = (params, exact, via_optax, state.master_params["w"].astype(dtype))
@@ -172,13 +172,13 @@ def _one_step(old, new, dtype=jnp.float16, master=None):
 def test_optax_apply_updates_counterexamples():
   # Moves a float16 update cannot make land with the float32 update, in both apply calls.
   for old, new in [(65504.0, -65504.0), (1.0, 2.0**-24), (1000.0, 2.0**-14), (4.0, 1.0009765625)]:
-    _, params, updates, state = _one_step(old, new)
-    assert mpx.apply_updates(params, updates, state)["w"] == jnp.float16(new)
+    _, params, updates, _ = _one_step(old, new)
+    assert mpx.apply_updates(params, updates)["w"] == jnp.float16(new)
     with jax.numpy_dtype_promotion("standard"):
       assert optax.apply_updates(params, updates)["w"] == jnp.float16(new)
   for dtype, below_one in CORNER.items():
-    _, params, updates, state = _one_step(1.0, FAR, dtype, master=below_one)
-    exact = mpx.apply_updates(params, updates, state)["w"]
+    _, params, updates, _state = _one_step(1.0, FAR, dtype, master=below_one)
+    exact = mpx.apply_updates(params, updates)["w"]
     with jax.numpy_dtype_promotion("standard"):
       via_optax = optax.apply_updates(params, updates)["w"]
     assert exact == via_optax == -(2.0**-20) and exact != jnp.asarray(FAR, dtype)
@@ -250,7 +250,7 @@ def test_update_keeps_dtypes_and_matches_jit(dtype, use_jit):
     updates, jax.tree.map(lambda p: p.astype(jnp.float32) if p.dtype in HALF else p, params)
   )
   chex.assert_trees_all_equal_shapes_and_dtypes(new_state, state)
-  new_params = mpx.apply_updates(params, updates, new_state)
+  new_params = mpx.apply_updates(params, updates)
   chex.assert_trees_all_equal_dtypes(new_params, params)
   assert new_params["step"] == 7  # integer leaves are left alone
   reference_updates, _ = jax.jit(tx.update)(grads, state, params)
@@ -300,9 +300,9 @@ def test_extra_args_reach_the_inner_transformation():
 def test_apply_updates_without_masters_is_optax():
   params = {"w": jnp.ones(2)}
   tx = optax.sgd(0.5)
-  updates, state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
+  updates, _state = tx.update({"w": jnp.ones(2)}, tx.init(params), params)
   chex.assert_trees_all_equal(
-    mpx.apply_updates(params, updates, state), optax.apply_updates(params, updates)
+    mpx.apply_updates(params, updates), optax.apply_updates(params, updates)
   )
 
 
@@ -374,7 +374,7 @@ def test_apply_updates_finds_masters_under_masked_and_multi_transform(wrapper):
   state = tx.init(params)
   grads = {"a": jnp.full(3, 1e-4, jnp.float16), "b": jnp.full(2, 0.25, jnp.float16)}
   updates, state = tx.update(grads, state, params)
-  new = mpx.apply_updates(params, updates, state)
+  new = mpx.apply_updates(params, updates)
   masters = half_params.find_master_params(state)
   # "a" is the cast of its float32 master, 1 - 1e-4 (1 in float16: the master keeps it).
   np.testing.assert_array_equal(masters["a"], np.float32(1) - np.float32(np.float16(1e-4)))
@@ -421,14 +421,12 @@ def test_the_readme_step_with_optax_apply_updates_is_bitwise_mpx_apply_updates(d
 
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return apply(params, updates, opt_state), opt_state, loss
+    return apply(params, updates), opt_state, loss
 
   def body(carry, batch):  # both runs in one program: one compile
     (p_optax, s_optax), (p_mpx, s_mpx) = carry
     with jax.numpy_dtype_promotion("standard"):  # the README's code, as users run it
-      p_optax, s_optax, loss = train_step(
-        p_optax, s_optax, batch, lambda p, u, s: optax.apply_updates(p, u)
-      )
+      p_optax, s_optax, loss = train_step(p_optax, s_optax, batch, optax.apply_updates)
     p_mpx, s_mpx, _ = train_step(p_mpx, s_mpx, batch, mpx.apply_updates)  # strict promotion
     return ((p_optax, s_optax), (p_mpx, s_mpx)), loss
 
@@ -442,3 +440,14 @@ def test_the_readme_step_with_optax_apply_updates_is_bitwise_mpx_apply_updates(d
     via_optax, jax.tree.map(lambda m, p: m.astype(p.dtype), masters, via_optax)
   )
   assert float(losses[-1]) < 0.8 * float(losses[0])
+
+
+def test_apply_updates_warns_that_the_optimizer_state_is_not_read():
+  """The third argument is deprecated: passing it warns and changes nothing."""
+  params = {"w": jnp.ones((3,), jnp.bfloat16)}
+  tx = mpx.mixed_precision(optax.sgd(0.5), "params=bfloat16,compute=bfloat16")
+  state = tx.init(params)
+  updates, state = tx.update({"w": jnp.ones((3,), jnp.bfloat16)}, state, params)
+  with pytest.warns(DeprecationWarning, match=r"mpx.apply_updates\(params, updates\)"):
+    old = mpx.apply_updates(params, updates, state)
+  chex.assert_trees_all_equal(old, mpx.apply_updates(params, updates))

@@ -38,6 +38,7 @@ INNERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", INNERS)
 @pytest.mark.parametrize("use_jit", [False, True])
 def test_moments_are_stored_narrow_and_nothing_else(name, use_jit):
@@ -106,6 +107,7 @@ def test_adam_second_moment_does_not_decay_in_bfloat16():
   assert np.asarray(state[0].mu["w"], np.float32).max() < 1e-4  # mu (b1 = 0.9) does decay
 
 
+@pytest.mark.slow
 def test_training_tracks_float32_moments():
   """Digits MLP, 150 adam steps (lr 1e-3), bfloat16 params with float32 masters.
 

@@ -22,7 +22,7 @@ pytestmark = [
   pytest.mark.slow,
   pytest.mark.skipif(
     not targets.plugin_available(),
-    reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+    reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
   ),
 ]
 

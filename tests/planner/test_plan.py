@@ -20,15 +20,21 @@ from mpx._src.audit import targets
 
 pytestmark = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 WIDTH, TOKENS = 2048, 16384
 
 
 class _Wide(nn.Module):
+  # Without the norm the layers' own choices hold when compiled together. With it (the
+  # calibration test's model), the mix compiled slower than all-float8 (0.634 against
+  # 0.628 ms, modelled), so the plan falls back to one candidate for every layer.
+  norm: bool = False
+
   @nn.compact
   def __call__(self, x):
-    h = nn.relu(nn.LayerNorm(name="norm")(nn.Dense(WIDTH, name="wide")(x)))
+    h = nn.Dense(WIDTH, name="wide")(x)
+    h = nn.relu(nn.LayerNorm(name="norm")(h) if self.norm else h)
     return nn.Dense(16, name="tiny")(h)
 
 
@@ -69,7 +75,7 @@ def test_linen_plan_keeps_the_tiny_layer_out_of_float8_and_verifies():
 @pytest.mark.slow
 def test_linen_plan_picks_rowwise_where_tensorwise_flushes():
   x = jax.ShapeDtypeStruct((TOKENS, WIDTH), jnp.float32)
-  plan = mpx.linen.plan(_Wide(), x, calibration=_outlier_batch())
+  plan = mpx.linen.plan(_Wide(norm=True), x, calibration=_outlier_batch())
 
   wide, tiny = plan.rows
   # The wide layer: float8 pays in both recipes, but its operands flush per tensor.
@@ -90,13 +96,13 @@ def test_linen_plan_picks_rowwise_where_tensorwise_flushes():
 class _NnxWide(nnx.Module):
   def __init__(self, rngs):
     self.wide = nnx.Linear(WIDTH, WIDTH, rngs=rngs)
-    self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
     self.tiny = nnx.Linear(WIDTH, 16, rngs=rngs)
 
   def __call__(self, x):
-    return self.tiny(nnx.relu(self.norm(self.wide(x))))
+    return self.tiny(nnx.relu(self.wide(x)))
 
 
+@pytest.mark.slow
 def test_nnx_plan_names_attribute_paths_and_verifies():
   model = _NnxWide(nnx.Rngs(0))
   kernel = model.wide.kernel[...]

@@ -143,7 +143,7 @@ def main() -> None:
     def step(params, opt_state, batch):
       loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+      return mpx.apply_updates(params, updates), opt_state, loss
 
     snapshots = {}
     with jax.numpy_dtype_promotion("standard"):  # optax's adam as users run it

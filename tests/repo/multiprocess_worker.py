@@ -126,7 +126,7 @@ def main() -> None:
     def step(params, opt_state, batch):
       loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params, batch)
       updates, opt_state = tx.update(grads, opt_state, params)
-      return mpx.apply_updates(params, updates, opt_state), opt_state, loss
+      return mpx.apply_updates(params, updates), opt_state, loss
 
     return jax.jit(step, out_shardings=(replicated, replicated, replicated))
 

@@ -387,3 +387,40 @@ def test_optimizer_memory_results_meet_the_targets_and_docs_quote_them():
   for name, row in rows.items():
     assert f"| {name} | {row['large_leaves_total']:.2f} |" in doc, name
     assert f"{row['val_gap_to_fp32']:+.3f}" in doc, name
+
+
+def test_gpu_lease_smoke(tmp_path):
+  """``gpu_lease.py --smoke``: every study runs in its worker, and the JSON and the table hold them.
+
+  Tiny models on the CPU (no prediction: the roofline needs a GPU's peaks); on a GPU
+  ``gpu_lease.sh`` runs it at full size.
+  """
+  script = str(ROOT / "benchmarks" / "gpu_lease.py")
+  command = [sys.executable, script, "--smoke", "--rounds", "1", "--steps", "2"]
+  proc = subprocess.run(
+    [*command, "--budget", "900", "--out", str(tmp_path)],
+    capture_output=True,
+    text=True,
+    cwd=ROOT,
+    timeout=1200,
+    env={**os.environ, "JAX_PLATFORMS": "cpu"},
+  )
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads((tmp_path / "gpu_lease.json").read_text())
+  by_study = {s["study"]: s for s in report["studies"]}
+  assert list(by_study) == ["gpt2", "resnet50", "launch", "llama_block"]
+  assert not [s for s in report["studies"] if "not_run" in s], report["studies"]
+  import gpu_lease
+
+  for study in ("gpt2", "resnet50"):
+    rows = by_study[study]["rows"]
+    assert [r["config"] for r in rows] == gpu_lease.STUDIES[study]["configs"]
+    assert all(r["step_ms"] > 0 and r["planned_memory_bytes"] > 0 for r in rows), rows
+  block = {r["config"]: r for r in by_study["llama_block"]["rows"]}
+  assert block["mixed_bfloat16"]["step_ms"] > 0 and block["mixed_float8"]["step_ms"] > 0
+  assert by_study["launch"]["rows"][-1]["kernels"] > by_study["launch"]["rows"][0]["kernels"]
+  whats = {(r["study"], r["what"]) for r in report["ratios"]}
+  assert ("gpt2", "loss scaling's share of mpx_f16") in whats
+  assert ("resnet50", "mpx bf16 / Flax by hand (target <= 1.00)") in whats
+  table = (tmp_path / "gpu_lease.md").read_text()
+  assert "| gpt2 | mpx_bf16 |" in table and "| launch | cost per kernel |" in table

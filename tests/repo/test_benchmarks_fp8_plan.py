@@ -17,7 +17,7 @@ from mpx._src.audit import targets
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(
   not targets.plugin_available(),
-  reason='needs jax\'s CUDA plugin: pip install "mpx-mixed-precision[gpu-target]"',
+  reason="needs the GPU-target toolchain: python -m mpx.gpu_target",
 )
 
 

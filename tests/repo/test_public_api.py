@@ -207,6 +207,7 @@ def test_import_mpx_and_its_pure_jax_and_optax_parts_do_not_import_flax_or_equin
   assert loaded == []
 
 
+@pytest.mark.slow
 def test_the_diagnostics_and_fp8_namespaces_import_neither_flax_nor_matplotlib():
   loaded = _loaded_after(
     """
@@ -235,6 +236,7 @@ def test_import_mpx_loads_neither_the_diagnostics_nor_the_fp8_kernels():
   assert loaded == []
 
 
+@pytest.mark.slow
 def test_flax_submodules_load_on_first_use_and_linen_leaves_nnx_out():
   loaded = _loaded_after("""
     import mpx

@@ -141,7 +141,7 @@ def _kernels(loss_scale):
 
   def step(params, opt_state, grads):
     updates, opt_state = tx.update(grads, opt_state, params)
-    return mpx.apply_updates(params, updates, opt_state), opt_state
+    return mpx.apply_updates(params, updates), opt_state
 
   state = jax.eval_shape(tx.init, params)
   grads = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float16), params)

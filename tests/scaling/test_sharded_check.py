@@ -53,7 +53,7 @@ _SCRIPT = textwrap.dedent(
         def step(p, s, batch):
             loss, grads = mpx.value_and_grad(loss_fn, s)(p, batch)
             updates, s = tx.update(grads, s, p)
-            return mpx.apply_updates(p, updates, s), s, loss
+            return mpx.apply_updates(p, updates), s, loss
 
         return jax.jit(step), placed, state
 

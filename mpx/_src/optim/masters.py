@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -219,7 +220,7 @@ def with_master_params(
     >>> for _ in range(10):
     ...   grads = {"w": jnp.full(2, -1e-4, jnp.float16)}
     ...   updates, state = tx.update(grads, state, params)
-    ...   params = mpx.apply_updates(params, updates, state)
+    ...   params = mpx.apply_updates(params, updates)
     >>> params["w"]  # plain optax.sgd would leave w at 1.0
     Array([1.001, 1.001], dtype=float16)
     >>> state.master_params["w"].dtype
@@ -230,7 +231,7 @@ def with_master_params(
     >>> for _ in range(10):
     ...   grads = {"w": jnp.full(2, -1e-4, jnp.bfloat16)}
     ...   updates, state = tx.update(grads, state, params)
-    ...   params = mpx.apply_updates(params, updates, state)
+    ...   params = mpx.apply_updates(params, updates)
     >>> params["w"], state.remainders["w"].dtype
     (Array([1, 1], dtype=bfloat16), dtype('int16'))
     >>> mpx.get_master_params(state, params)["w"]  # the float32 master, 1 + 10 * bf16(1e-4)
@@ -331,8 +332,9 @@ def apply_updates(
   Args:
     params: the params the updates were computed for.
     updates: the updates ``tx.update`` returned.
-    opt_state: not read (earlier versions read the masters from it); calls
-      that pass the new optimizer state keep working.
+    opt_state: deprecated and not read (earlier versions read the masters
+      from it); passing it warns. Drop it: ``mpx.apply_updates(params,
+      updates)``.
 
   Returns:
     The new params, with the structure and dtypes of ``params``.
@@ -340,7 +342,13 @@ def apply_updates(
   Raises:
     TreeStructureError: ``updates`` does not have the structure of ``params``.
   """
-  del opt_state
+  if opt_state is not None:
+    warnings.warn(
+      "mpx.apply_updates no longer reads the optimizer state: call "
+      "mpx.apply_updates(params, updates). The third argument will be removed.",
+      DeprecationWarning,
+      stacklevel=2,
+    )
   if _equinox_model(params, updates):
     own = jax.tree.map(lambda u, p: None if u is None else p, updates, params, is_leaf=base.is_none)
     new = apply_updates(own, updates)

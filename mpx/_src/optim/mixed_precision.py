@@ -170,7 +170,7 @@ def mixed_precision(
     >>> scale = mpx.get_loss_scale(state)
     >>> grads = {"w": jnp.full(2, -1e-4 * scale, jnp.float16)}  # scaled gradients
     >>> updates, state = tx.update(grads, state, params)
-    >>> mpx.apply_updates(params, updates, state)["w"].dtype, state.inner_state.master_params["w"]
+    >>> mpx.apply_updates(params, updates)["w"].dtype, state.inner_state.master_params["w"]
     (dtype('float16'), Array([1.0001, 1.0001], dtype=float32))
   """
   policy = policy_lib.get_policy(policy)
@@ -329,7 +329,7 @@ def get_master_params(opt_state: optax.OptState, params: optax.Params) -> optax.
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.full(2, 1e-4, jnp.float16), "b": jnp.ones(2, jnp.float32)}
     >>> updates, state = tx.update(grads, state, params)
-    >>> params = mpx.apply_updates(params, updates, state)
+    >>> params = mpx.apply_updates(params, updates)
     >>> params["w"], mpx.get_master_params(state, params)["w"]  # the master keeps the step
     (Array([1., 1.], dtype=float16), Array([0.9999, 0.9999], dtype=float32))
   """

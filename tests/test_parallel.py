@@ -322,6 +322,7 @@ def test_the_program_reduces_the_gradients_in_the_half_dtype(report, dtype):
   assert lowered and {dt for dt, _ in lowered} == {short}, lowered
 
 
+@pytest.mark.slow
 def test_the_compiled_float16_step_communicates_half_the_bytes_of_float32(report):
   half = _gradient_reductions(report["float16"]["compiled"])
   full = _gradient_reductions(report["float32"]["compiled"])

@@ -143,6 +143,7 @@ class _Stack(eqx.Module):
     return jax.lax.scan(lambda x, p: (eqx.combine(p, static)(x), None), x, dynamic)[0]
 
 
+@pytest.mark.slow
 def test_delayed_histories_are_per_stacked_layer_and_follow_the_optimizer_step():
   model = mpx.eqx.apply_policy(_Stack(jax.random.key(0)), "mixed_float8_delayed")
   params, histories = mpx.eqx.partition_fp8(eqx.filter(model, eqx.is_inexact_array))

@@ -233,6 +233,7 @@ def test_locate_nonfinite_names_the_transform_around_a_nonfinite_layer():
   assert report.cause == "genuine"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "transform", all_but(["scan", "scan_over_remat", "scan_broadcast_fp8"], "scan_over_remat")
 )
@@ -264,6 +265,7 @@ def test_delayed_fp8_histories_of_scanned_layers_stacked_or_broadcast(transform)
     assert bool(jnp.all(jnp.isfinite(pending))) and bool(jnp.all(pending > 0)), (name, pending)
 
 
+@pytest.mark.slow
 def test_broadcast_histories_record_the_max_over_scan_iterations():
   """A history shared by the scanned layers observes the largest amax of any iteration."""
   policy = mpx.get_policy("mixed_float8_delayed")

@@ -300,6 +300,7 @@ def test_anything_but_an_nnx_module_raises_a_policy_error(model, match):
     mpx.nnx.apply_policy(model, "mixed_bfloat16")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "copy_fn", [lambda m: pickle.loads(pickle.dumps(m)), copy.deepcopy], ids=["pickle", "deepcopy"]
 )

@@ -109,6 +109,7 @@ def test_stacked_decoder_trains_under_every_preset(name):
     assert int(metrics["skipped_steps"]) == 0 and float(metrics["loss_scale"]) > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", all_but(PRESETS, "mixed_bfloat16"))
 def test_audit_of_the_stacked_step_matches_the_unrolled_one(name):
   stacked, unrolled = _audit(name, stacked=True), _audit(name, stacked=False)

@@ -76,6 +76,7 @@ COLLECT = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", list(COLLECT))
 @pytest.mark.parametrize("policy", [None, "mixed_float16"], ids=["f32", "mixed_f16"])
 def test_outputs_and_the_gradients_flowing_into_them(api, policy):

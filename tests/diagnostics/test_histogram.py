@@ -54,6 +54,7 @@ def test_matches_numpy_on_random_bit_patterns(seed, dtype):
   check(jax.jit(mpx.diagnostics.magnitude_histogram)(jnp.asarray(x)), x)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("use_jit", [False, True], ids=["eager", "jit"])
 def test_float32_subnormals_and_edges_land_in_their_buckets(use_jit):
   # XLA:CPU flushes 2**-149 to zero in arithmetic; the histogram reads the bits.

@@ -81,6 +81,7 @@ def locate_nnx(rig, x=X, **kw):
 LOCATE = {"linen": locate_linen, "nnx": locate_nnx}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", list(LOCATE))
 def test_a_finite_step(api):
   report = LOCATE[api]("none", loss_scale=SCALE)
@@ -104,6 +105,7 @@ def test_a_backward_overflow_is_named_and_absorbed_by_a_smaller_scale(api):
   assert LOCATE[api]("backward_overflow", loss_scale=report.finite_scale).cause == "finite"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("api", list(LOCATE))
 def test_a_backward_nan_is_genuine(api):
   report = LOCATE[api]("backward_nan", loss_scale=SCALE)

@@ -56,6 +56,7 @@ def test_loss_scale_plot_marks_the_skipped_steps():
   assert "skipped step (2 of 5)" in [t.get_text() for t in ax.get_legend().get_texts()]
 
 
+@pytest.mark.slow
 def test_heatmap_shows_flushed_fractions_hatches_overflow_and_marks_the_scale():
   scales = 2.0 ** np.arange(0, 20, 4)
   values = {"small": jnp.array([2.0**-30, 2.0**-10]), "big": jnp.array([2.0**-3, 1.0e3])}

@@ -131,6 +131,7 @@ def test_matches_the_ml_dtypes_reference_on_random_trees(seed, target, inputs, k
   assert_matches(report, arrays, target, k)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", TARGETS + OTHER_TARGETS, ids=lambda t: np.dtype(t).name)
 @pytest.mark.parametrize("k", all_but([-126, -7, 0, 3, 15, 126], -126, 0, 126))
 def test_every_threshold_of_every_format(target, k):

@@ -81,6 +81,7 @@ def _loss(out):
   return jnp.mean(out.astype(F32) ** 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   ("layout", "api"),
   all_but(

@@ -53,6 +53,7 @@ class Mlp(nn.Module):
     return nn.Dense(4)(nn.relu(nn.Dense(32)(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 def test_train_state_params_are_the_rounded_masters(policy):
   model = mpx.linen.apply_policy(Mlp(), policy)

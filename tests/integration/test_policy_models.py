@@ -148,6 +148,7 @@ SETUPS = {
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("setup", all_but(SETUPS, "linen_resnet_batchnorm"))
 def test_train_step_runs_every_product_in_half_precision(setup, policy):

@@ -19,6 +19,8 @@ import textwrap
 import pytest
 
 LAYOUTS = ("fsdp", "tp", "fsdp_tp")
+# One 8-device subprocess serves every test here: CI's slow pass, not the README's command.
+pytestmark = pytest.mark.slow
 
 _SCRIPT = textwrap.dedent(
   """
@@ -162,7 +164,6 @@ def report():
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_masters_and_moments_are_sharded_like_their_params(report, layout):
   assert report[layout]["placed"]

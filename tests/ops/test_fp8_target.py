@@ -115,6 +115,7 @@ def _bfloat16_temp_bytes():
   return _audit(_linen_step, "mixed_bfloat16", batch=4096, width=1024).memory.temp_bytes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", all_but(FP8_POLICIES, "mixed_float8_delayed"))
 def test_fp8_step_plans_at_most_three_quarters_of_the_bfloat16_temp_memory(policy):
   # Residuals saved as float8 (1 byte) instead of bfloat16; the size is the MLP the
@@ -136,6 +137,7 @@ def test_mxfp8_runs_block_scaled_float8_gemms_on_a_b200():
   assert all(g.dtypes == (E4M3, E4M3) for g in report.gemms)  # gradients are E4M3 too
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "policy", all_but(["mixed_mxfp8", "mixed_float8_blockwise"], "mixed_float8_blockwise")
 )

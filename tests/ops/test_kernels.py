@@ -78,6 +78,7 @@ def test_accumulating_conv_backward_keeps_half_operands():
     assert operands.count("xbf16>") == 2 and line.endswith("xf32>")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("masked", [False, True])
 def test_softmax_gradient_matches_float32_autodiff(dtype, masked):

@@ -213,6 +213,7 @@ def _nnx_run(make, dtype, rules, x, **call):
   return y, grads, stats, loss, params, model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("name", list(NNX_NORMS))
 def test_nnx_norms_match_flax(name, dtype):

@@ -386,6 +386,7 @@ def test_state_layout_and_round_trip(wrap, dtype):
   chex.assert_trees_all_equal(again, state)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPPERS)
 @pytest.mark.parametrize("dtype", ALL)
 @pytest.mark.parametrize("use_jit", [False, True])
@@ -532,6 +533,7 @@ def test_training_keeps_what_nearest_rounding_loses():
 # ------------------------------------------------------------------ checkpoints
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrap", WRAPPERS)
 def test_orbax_round_trip_resumes_bitwise(wrap, tmp_path):
   params = {

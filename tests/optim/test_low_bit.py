@@ -117,6 +117,7 @@ def test_adam_steps_match_a_float64_numpy_adam_with_the_same_quantiser(fmt):
   assert mismatches <= total * 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_state_layout_codes_keep_the_params_shape_tiny_leaves_stay_float32(fmt):
   params = {
@@ -173,6 +174,7 @@ def test_int8_first_moment_resolves_small_values_a_linear_code_would_zero():
   assert (np.sign(back[:4]) == np.sign(mu[:4])).all()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_training_tracks_float32_moments(fmt):
   x = jax.random.normal(jax.random.key(0), (256, 64))

@@ -191,6 +191,7 @@ def test_training_is_bitwise_layout_b_for_200_steps(seed=SEED):
   assert crossed > 0  # the float32 updates landed weights that crossed zero
 
 
+@pytest.mark.slow
 def test_state_holds_an_int16_remainder_per_bfloat16_param_only():
   params = {"w": jnp.ones((4, 3), jnp.bfloat16), "scale": jnp.ones(3)}
   tx = mpx.with_master_params(standard_promotion(optax.adam(1e-3)), remainder=True)

@@ -149,6 +149,7 @@ def test_update_rejects_moments_of_another_dtype():
     _bf16(standard_promotion(optax.adam(1e-3))).update(params, wide, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("saved", "run"), [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_check_state_catches_moments_restored_with_another_optimizers_dtypes(saved, run, tmp_path):
   params = mpx.get_policy(BF16).cast_to_param({"layer": {"w": jnp.linspace(-1, 1, 6)}})

@@ -252,6 +252,7 @@ def test_preset_defaults_match_reference(preset):
   assert len(set(want["loss_scale"].tolist())) > 5  # the pattern exercised the rule
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", list(rules.PRESETS))
 @pytest.mark.parametrize(
   "overrides",

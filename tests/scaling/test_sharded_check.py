@@ -97,6 +97,7 @@ def report():
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_loss_scaling_adds_one_scalar_all_reduce(report):
   added = list(report["dynamic"])
   for collective in report["none"]:
@@ -104,6 +105,7 @@ def test_loss_scaling_adds_one_scalar_all_reduce(report):
   assert added == [["all-reduce", "int32", 4]], report
 
 
+@pytest.mark.slow
 def test_an_inf_on_one_shard_skips_the_step_everywhere(report):
   skip = report["skip"]
   assert skip["skipped_steps"] == 1 and skip["params_unchanged"]

@@ -90,6 +90,15 @@ def test_the_top_level_stays_narrow():
   assert sorted(mpx.__all__) == list(mpx.__all__), "keep mpx.__all__ sorted"
 
 
+def test_no_module_is_over_450_lines():
+  long = {
+    str(path.relative_to(ROOT)): n
+    for path in (ROOT / "mpx").rglob("*.py")
+    if (n := len(path.read_text(encoding="utf-8").splitlines())) > 450
+  }
+  assert not long, f"split these modules by concern: {long}"
+
+
 @pytest.mark.parametrize(("namespace", "name"), MOVED_NAMES)
 def test_a_moved_name_lives_in_its_namespace_only(namespace, name):
   assert name in importlib.import_module(namespace).__all__

@@ -156,7 +156,10 @@ def _setup_study(study: str, args: argparse.Namespace) -> dict[str, Any]:
   device = jax.devices()[0]
   predict_for = None if args.smoke else _target_of(device.device_kind)
   built = {
-    c: _build(spec["model"], c, smoke=args.smoke, batch_size=spec.get("batch_size"))
+    # --smoke keeps the tiny models' own batch: it checks the code path, not the figures.
+    c: _build(
+      spec["model"], c, smoke=args.smoke, batch_size=None if args.smoke else spec.get("batch_size")
+    )
     for c in spec["configs"]
   }
   with concurrent.futures.ThreadPoolExecutor(len(built)) as pool:

@@ -47,6 +47,7 @@ def _dot_operands(fn, *args):
   return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["mixed_bfloat16", "mixed_float16", "bfloat16", "float32"])
 def test_decoder_params_matmuls_and_output(name):
   policy = mpx.get_policy(name)

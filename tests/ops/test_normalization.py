@@ -277,6 +277,7 @@ def test_backward_keeps_the_half_input_and_per_row_float32_statistics(name):
 # --------------------------------------------------------------- the kernels
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
   ("subtract_mean", "fast_variance", "reduction_axes", "feature_axes"),

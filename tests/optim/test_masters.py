@@ -397,6 +397,7 @@ def test_update_with_another_optimizers_state():
 # ------------------------------------------------------------------ the README's train step
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", all_but(HALF, jnp.bfloat16))
 def test_the_readme_step_with_optax_apply_updates_is_bitwise_mpx_apply_updates(dtype):
   # Issue 34: with bfloat16 params and float32 masters, the README's step (optax.apply_updates)

@@ -46,6 +46,7 @@ def _outlier_batch():
   return (x,)
 
 
+@pytest.mark.slow
 def test_linen_plan_keeps_the_tiny_layer_out_of_float8_and_verifies():
   x = jax.ShapeDtypeStruct((TOKENS, WIDTH), jnp.float32)
   plan = mpx.linen.plan(_Wide(), x, candidates=("mixed_bfloat16", "mixed_float8"))
@@ -87,10 +88,14 @@ def test_linen_plan_picks_rowwise_where_tensorwise_flushes():
   assert wide.sqnr_db["mixed_float8"] < 20.0 <= 25.0 <= wide.sqnr_db["mixed_float8_rowwise"]
   assert wide.choice == "mixed_float8_rowwise"
   assert "mixed_float8: SQNR" in wide.reason and "flushed" in wide.reason
-  assert tiny.choice == "mixed_bfloat16" and tiny.reason.startswith("does not pay")
+  # On its own the tiny layer stays in bfloat16, but the two choices compiled together are
+  # not 0.1% faster than rowwise everywhere (the module comment of _Wide): the plan falls
+  # back to that one candidate and its note says so.
+  assert tiny.reason.startswith("does not pay")
+  assert tiny.choice == "mixed_float8_rowwise" and "not 0.1% less" in plan.note
   assert plan.speedup > 1.0
   report = plan.verify()
-  assert {g.module_path for g in report.gemms if g.is_fp8} == {"_Wide/wide"}
+  assert {g.module_path for g in report.gemms if g.is_fp8} == {"_Wide/wide", "_Wide/tiny"}
 
 
 class _NnxWide(nnx.Module):

@@ -6,8 +6,9 @@ For each recipe, compiles (never runs) the train-step gradient of a 4-layer MLP 
 (Blackwell multiplies its blocks natively; on an H100 Triton dequantises them to bfloat16), each
 beside ``mixed_bfloat16`` on the same GPU. Deviceless compilation: XLA's default kernel configs,
 no autotuning. Then the SQNR against float32 of one layer's output and both gradients, on CPU,
-on activations with outlier tokens and channels (torchao's criterion). Needs the ``gpu-target``
-extra; prints a table and writes ``results/fp8_recipes.json`` (``--smoke``: only to ``--out``).
+on activations with outlier tokens and channels (torchao's criterion). Needs ``python -m
+mpx.gpu_target``; prints a table and writes ``results/fp8_recipes.json`` (``--smoke``: only to
+``--out``).
 
 ``--block`` studies what the quantisation costs instead: the gradient step of one GPT-2 block
 (``harness.gpt.Block``, ``--width`` wide, 12 heads of 64 at 768, batch 8 x 1024 tokens; a

@@ -4,7 +4,7 @@ Compiles (never runs) the ``gpt2_linen`` step of ``setups.py`` for ``--target`` 
 ``mpx.audit(..., target=...)`` (deviceless; XLA's default kernel configs, no autotuning)
 under ``mpx_bf16``, ``mpx_f16`` without loss scaling and ``mpx_f16`` with dynamic loss
 scaling, and prints the kernels, bytes and memory of each, then the kernels the loss scaling
-adds, grouped by op name with the layer path removed. Needs the ``gpu-target`` extra.
+adds, grouped by op name with the layer path removed. Needs ``python -m mpx.gpu_target``.
 
 Usage::
 

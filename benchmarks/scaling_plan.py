@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     policies, layouts = args.policies or list(POLICIES), args.layouts or list(LAYOUTS)
     seq, batch = args.seq or 4096, args.batch_per_gpu or 2
   if not targets.plugin_available():
-    print("jax's CUDA plugin (the gpu-target extra) is missing", file=sys.stderr)
+    print("jax's CUDA plugin is missing: run python -m mpx.gpu_target", file=sys.stderr)
     return 2
   out = pathlib.Path(args.out or RESULTS / f"scaling_plan{'_smoke' if args.smoke else ''}.json")
   out.parent.mkdir(parents=True, exist_ok=True)

@@ -415,31 +415,30 @@ def test_the_readme_step_with_optax_apply_updates_is_bitwise_mpx_apply_updates(d
   params = model.init(jax.random.key(0), xs[0])["params"]
   tx = mpx.mixed_precision(standard_promotion(optax.adamw(1e-2)), policy)
 
-  def train_step(params, opt_state, batch, apply):  # the README's, but for the apply call
+  def body(carry, batch):  # the README's step, with both apply calls on the same updates
+    params, opt_state = carry
+
     def loss_fn(p):
       logits = model.apply({"params": p}, batch["x"])
       return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
     loss, grads = mpx.value_and_grad(loss_fn, opt_state)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
-    return apply(params, updates), opt_state, loss
+    with jax.numpy_dtype_promotion("standard"):  # the README's call, as users run it
+      via_optax = optax.apply_updates(params, updates)
+    via_mpx = mpx.apply_updates(params, updates)  # strict promotion
+    differ = sum(jax.tree.leaves(jax.tree.map(lambda a, b: jnp.sum(a != b), via_optax, via_mpx)))
+    return (via_optax, opt_state), (loss, differ)
 
-  def body(carry, batch):  # both runs in one program: one compile
-    (p_optax, s_optax), (p_mpx, s_mpx) = carry
-    with jax.numpy_dtype_promotion("standard"):  # the README's code, as users run it
-      p_optax, s_optax, loss = train_step(p_optax, s_optax, batch, optax.apply_updates)
-    p_mpx, s_mpx, _ = train_step(p_mpx, s_mpx, batch, mpx.apply_updates)  # strict promotion
-    return ((p_optax, s_optax), (p_mpx, s_mpx)), loss
-
-  init = (params, tx.init(params))
-  ((via_optax, state), (via_mpx, _)), losses = jax.jit(
-    lambda: jax.lax.scan(body, (init, init), {"x": xs, "y": ys})
+  # One trajectory: two separately compiled runs of a float16 model can differ in the last bit
+  # of the model's own arithmetic (XLA:CPU fuses them differently), which says nothing of the
+  # apply call. Each step compares both calls on the same params and updates.
+  (params, state), (losses, differ) = jax.jit(
+    lambda: jax.lax.scan(body, (params, tx.init(params)), {"x": xs, "y": ys})
   )()
-  chex.assert_trees_all_equal(via_optax, via_mpx)
-  masters = mpx.get_master_params(state, via_optax)
-  chex.assert_trees_all_equal(
-    via_optax, jax.tree.map(lambda m, p: m.astype(p.dtype), masters, via_optax)
-  )
+  assert int(differ.sum()) == 0, differ
+  masters = mpx.get_master_params(state, params)
+  chex.assert_trees_all_equal(params, jax.tree.map(lambda m, p: m.astype(p.dtype), masters, params))
   assert float(losses[-1]) < 0.8 * float(losses[0])
 
 

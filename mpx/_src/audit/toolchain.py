@@ -118,14 +118,38 @@ def load() -> None:
   previous = os.environ.get("JAX_SKIP_CUDA_CONSTRAINTS_CHECK")
   os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = "1"  # read by the plugin's initialize()
   try:
+    from jax._src import xla_bridge
+
     with _driver_warnings_filtered():
+      before = set(xla_bridge._backend_factories)  # pyright: ignore[reportPrivateUsage]
       importlib.import_module(_plugin_module(cuda)).initialize()
+      _run_plugin_callbacks(set(xla_bridge._backend_factories) - before)  # pyright: ignore[reportPrivateUsage]
       _hand_to_jax(cuda)
   finally:
     if previous is None:
       del os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"]
     else:
       os.environ["JAX_SKIP_CUDA_CONSTRAINTS_CHECK"] = previous
+
+
+def _run_plugin_callbacks(names: set[str]) -> None:
+  """Runs, for plugins registered after jax's own discovery, what jax runs for the ones it found.
+
+  jax calls the callbacks of ``xla_bridge.register_plugin_callbacks`` once, on
+  the plugins it discovers when its first backend starts; a plugin registered
+  later gets none. Among them is ``custom_partitioning``'s partitioner: without
+  it a sharded program with a custom-partitioned op (mpx's finite check) fails
+  to compile for the GPU ("No registered implementation for custom call to
+  CustomSPMDPartitioning for platform CUDA").
+  """
+  from jax._src import xla_bridge
+
+  with xla_bridge._plugin_callback_lock:  # pyright: ignore[reportPrivateUsage]
+    for name in sorted(names):
+      factory = xla_bridge._backend_factories[name]  # pyright: ignore[reportPrivateUsage]
+      if factory.c_api is not None:
+        for callback in xla_bridge._plugin_callbacks:  # pyright: ignore[reportPrivateUsage]
+          callback(c_api=factory.c_api)
 
 
 def _hand_to_jax(cuda: str) -> None:

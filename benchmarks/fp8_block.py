@@ -43,6 +43,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from harness import llama_block, results  # noqa: E402
+from harness.recipes import RECIPES  # noqa: E402
 
 import mpx  # noqa: E402
 from mpx._src.audit import roofline  # noqa: E402
@@ -50,14 +51,6 @@ from mpx._src.planner import cost  # noqa: E402
 from mpx._src.planner import linen as planner_linen  # noqa: E402
 from mpx._src.planner import plan as plan_lib  # noqa: E402
 
-RECIPES = (
-  "mixed_bfloat16",
-  "mixed_float8",
-  "mixed_float8_delayed",
-  "mixed_float8_rowwise",
-  "mixed_mxfp8",
-  "mixed_float8_blockwise",
-)
 RESULTS = HERE / "results"
 
 

@@ -38,17 +38,10 @@ sys.path.insert(0, str(HERE))
 
 from harness import gpu_figures, results  # noqa: E402
 from harness.mlp import Mlp  # noqa: E402
+from harness.recipes import RECIPES  # noqa: E402
 
 import mpx  # noqa: E402
 
-RECIPES = (
-  "mixed_bfloat16",
-  "mixed_float8",
-  "mixed_float8_delayed",
-  "mixed_float8_rowwise",
-  "mixed_mxfp8",
-  "mixed_float8_blockwise",
-)
 RESULTS = HERE / "results"
 
 

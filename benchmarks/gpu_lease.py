@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -39,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -130,22 +132,42 @@ def _predicted_ms(report: Any) -> float | None:
   return None if found is None else found["with_launch_ms"]
 
 
-def _time_interleaved(runs: dict[str, Any], *, rounds: int, steps: int) -> dict[str, list[float]]:
-  """Seconds per step of each configuration, the configurations taking turns round by round."""
+def _time_interleaved(
+  runs: dict[str, Callable[[], Any]], *, rounds: int, steps: int, warmup: int = 3
+) -> dict[str, list[float]]:
+  """Seconds per step of each configuration, the configurations taking turns round by round.
+
+  Args:
+    runs: per configuration, a function that runs one step and returns what to wait for.
+    rounds: timed rounds; a first, untimed round of ``warmup`` steps each warms them up.
+    steps: steps per configuration and round.
+    warmup: steps per configuration in the untimed round.
+
+  Returns:
+    Per configuration, the seconds of each timed step.
+  """
   import jax
 
   times: dict[str, list[float]] = {name: [] for name in runs}
-  for round_ in range(rounds + 1):  # round 0 warms every configuration up
+  for round_ in range(rounds + 1):
     for name, run in runs.items():
-      carry = run["carry"]
-      for _ in range(steps if round_ else 3):
+      for _ in range(steps if round_ else warmup):
         start = time.perf_counter()
-        carry, loss = run["compiled"](carry, run["batch"])
-        jax.block_until_ready((carry, loss))
+        jax.block_until_ready(run())
         if round_:
           times[name].append(time.perf_counter() - start)
-      run["carry"] = carry
   return times
+
+
+def _carried(compiled: Any, carry: Any, batch: Any) -> Callable[[], Any]:
+  """One train step that carries its own state from call to call."""
+  state = {"carry": carry}
+
+  def run() -> Any:
+    state["carry"], loss = compiled(state["carry"], batch)
+    return state["carry"], loss
+
+  return run
 
 
 def _setup_study(study: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -166,10 +188,10 @@ def _setup_study(study: str, args: argparse.Namespace) -> dict[str, Any]:
     compiled = dict(
       zip(built, pool.map(lambda s: _compile(s, predict_for), built.values()), strict=True)
     )
-  runs = {}
-  for config, setup in built.items():
-    carry, batch = setups.device_carry(setup)
-    runs[config] = {"compiled": compiled[config]["compiled"], "carry": carry, "batch": batch}
+  runs = {
+    config: _carried(compiled[config]["compiled"], *setups.device_carry(setup))
+    for config, setup in built.items()
+  }
   times = _time_interleaved(runs, rounds=args.rounds, steps=args.steps)
   rows = []
   for config in built:
@@ -219,7 +241,7 @@ def _launch_study(args: argparse.Namespace) -> dict[str, Any]:
   rows = []
   for n in lengths:
     compiled = jax.jit(chain(n)).lower(x).compile()
-    kernels = len(compiled_lib.launches(compiled.as_text()))
+    kernels = len(compiled_lib.launches(compiled.as_text() or ""))
     for _ in range(3):
       jax.block_until_ready(compiled(x))
     samples = []
@@ -243,6 +265,7 @@ def _block_study(args: argparse.Namespace) -> dict[str, Any]:
   import fp8_block  # pyright: ignore[reportMissingImports]
   import jax
   from harness import llama_block
+  from harness.recipes import RECIPES
 
   import mpx
 
@@ -251,7 +274,7 @@ def _block_study(args: argparse.Namespace) -> dict[str, Any]:
   device = jax.devices()[0]
   predict_for = None if args.smoke else _target_of(device.device_kind)
   runs, rows = {}, []
-  for recipe in fp8_block.RECIPES:
+  for recipe in RECIPES:
     step, step_args = fp8_block.block_step(model, recipe, None, x)
     start = time.perf_counter()
     try:
@@ -263,15 +286,9 @@ def _block_study(args: argparse.Namespace) -> dict[str, Any]:
     predicted = None
     if predict_for is not None:
       predicted = _predicted_ms(mpx.audit(step, *step_args, target=predict_for))
-    runs[recipe] = (step, step_args)
+    runs[recipe] = functools.partial(step, *step_args)
     rows.append({"config": recipe, "compile_s": compile_s, "predicted_ms": predicted})
-  times: dict[str, list[float]] = {recipe: [] for recipe in runs}
-  for _ in range(args.rounds):
-    for recipe, (step, step_args) in runs.items():
-      for _ in range(args.steps):
-        start = time.perf_counter()
-        jax.block_until_ready(step(*step_args))
-        times[recipe].append(time.perf_counter() - start)
+  times = _time_interleaved(runs, rounds=args.rounds, steps=args.steps, warmup=1)
   for row in rows:
     if row["config"] in times:
       row["step_ms"] = 1e3 * statistics.median(times[row["config"]])

@@ -231,15 +231,6 @@ def replica_groups(attrs: str, num_devices: int) -> list[list[int]]:
   return [list(range(num_devices))]
 
 
-def _groups_of_collectives(text: str, num_devices: int) -> list[list[list[int]]]:
-  """The groups of every collective, in the order of ``compiled_lib.collectives``."""
-  out = []
-  for instr, _, _ in compiled_lib.launches(text):
-    if instr["opcode"].removesuffix("-start") in compiled_lib.COLLECTIVES:
-      out.append(replica_groups(instr["attrs"], num_devices))
-  return out
-
-
 _FACTORS = {
   "all-gather": lambda g: g - 1,
   "reduce-scatter": lambda g: (g - 1) / g,
@@ -262,12 +253,13 @@ def collective_rows(text: str, target: targets.Target) -> list[dict[str, Any]]:
     ``bytes`` (per GPU per step, loop bodies once per iteration) and ``model_ms`` (see
     :data:`COMM_NOTE`), largest ``model_ms`` first.
   """
-  found = compiled_lib.collectives(text)
-  groups = _groups_of_collectives(text, target.num_devices)
-  if len(found) != len(groups):
-    raise RuntimeError("collectives and their groups disagree")
+  found = [
+    (c, replica_groups(instr["attrs"], target.num_devices))
+    for instr, parts in compiled_lib.collectives_by_instruction(text)
+    for c in parts
+  ]
   rows: dict[tuple[str, str, int, bool], dict[str, Any]] = {}
-  for c, group in zip(found, groups, strict=True):
+  for c, group in found:
     size = max(len(g) for g in group)
     across = any(len({d // target.gpus_per_host for d in g}) > 1 for g in group)
     if size == 1:  # a no-op group (a device with itself)

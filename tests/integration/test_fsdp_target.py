@@ -11,6 +11,7 @@ the weights under ``mixed_float8``), never float32.
 
 import collections
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +42,12 @@ LAYOUTS = {"fsdp": {"data": 16}, "fsdp_tp": {"data": 2, "model": 8}}
 
 
 @functools.cache
-def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = False):
+def _compile(
+  policy: str,
+  layout: str = "fsdp",
+  accumulate_in_float32: bool = False,
+  loss_scale: str | None = "dynamic",
+):
   axes = LAYOUTS[layout]
   devices = np.array(targets.devices(targets.parse("2xh100x8"))).reshape(tuple(axes.values()))
   mesh = Mesh(devices, tuple(axes))
@@ -53,8 +59,11 @@ def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = Fa
   tokens = jax.ShapeDtypeStruct((BATCH, LENGTH + 1), jnp.int32)
   variables = jax.eval_shape(model.init, jax.random.key(0), tokens)
   params = variables.pop("params")
-  tx = mpx.mixed_precision(optax.adamw(1e-4), policy)
-  opt_state = jax.eval_shape(tx.init, params)
+  tx = mpx.mixed_precision(optax.adamw(1e-4), policy, loss_scale=loss_scale)
+  with warnings.catch_warnings():
+    # float16 without loss scaling: only the baseline the check's collectives are measured on
+    warnings.simplefilter("ignore", mpx.PrecisionWarning)
+    opt_state = jax.eval_shape(tx.init, params)
 
   def sharded(x, spec):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
@@ -101,23 +110,19 @@ def _compile(policy: str, layout: str = "fsdp", accumulate_in_float32: bool = Fa
   [
     ("mixed_bfloat16", {"bfloat16"}),
     ("mixed_float16", {"float16"}),
-    ("mixed_float8", {"float8_e4m3fn", "bfloat16"}),  # the head stays bfloat16
+    # E4M3 weights, E5M2 gradients (see below); the head stays bfloat16
+    ("mixed_float8", {"float8_e4m3fn", "float8_e5m2", "bfloat16"}),
   ],
 )
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype(policy, gathered):
   bytes_by, params, replicated = _compile(policy)
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))  # float32 params
-  # Float values only: under float16 the finite check gathers its per-row flags (bool,
-  # one byte per 32 gradient elements; docs/guide/multihost.md).
-  gathers = {
-    dtype: b for (kind, dtype), b in bytes_by.items() if kind == "all-gather" and dtype != "bool"
-  }
+  gathers = {dtype: b for (kind, dtype), b in bytes_by.items() if kind == "all-gather"}
   # The weights are gathered in the compute dtype (float8 under mixed_float8).
   assert sum(gathers.get(d, 0) for d in gathered) >= 0.9 * sum(gathers.values()), bytes_by
   if policy == "mixed_float8":
     assert gathers["float8_e4m3fn"] > gathers.get("bfloat16", 0)  # the fp8 all-gather
-  # No float32 weight is gathered: under float16 the loss scaling's per-row float32
-  # vectors are, a few KiB; masters and moments stay sharded.
+  # No float32 weight is gathered: masters and moments stay sharded.
   assert gathers.get("float32", 0) < 0.01 * param_bytes, bytes_by
   # The gradients are reduce-scattered in half precision (mixed_float8 reduce-scattered
   # them in float32 while its weight-gradient products came out in float32).
@@ -131,25 +136,42 @@ def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_the_compute_dtype
 
 def test_fp8_moves_fewer_bytes_than_bfloat16_under_fsdp():
   # Weights gathered in float8, gradients reduce-scattered in bfloat16: every collective
-  # of the step together moves fewer bytes than bfloat16's, and no float8 gradient (the
-  # logits gradient of the head, E5M2) is gathered in place of a weight.
+  # of the step together moves fewer bytes than bfloat16's.
   bf16, _, _ = _compile("mixed_bfloat16")
   fp8, _, _ = _compile("mixed_float8")
   assert sum(fp8.values()) < sum(bf16.values()), (fp8, bf16)
-  assert fp8["all-gather", "float8_e5m2"] == 0, fp8
+  # The E5M2 gathered is each block's output gradient, which XLA gathers over the batch
+  # for the `down` layer's backward in every policy (2 x 64 x 256 per device): never the
+  # head's logits gradient (2 x 64 x 512), which it once gathered in place of the head.
+  assert 0 < fp8["all-gather", "float8_e5m2"] < BATCH // 16 * LENGTH * 512, fp8
 
 
-# mixed_float8 under FSDP x TP gathers its weights in bfloat16 (docs/guide/multihost.md); its
-# compile, the slowest of these, is left to the docs table.
+@pytest.mark.xfail(
+  strict=True,
+  reason="known issue: in the backward of the MLP's gate and up layers (tensor parallel), "
+  "fp8 all-reduces the two layers' input gradients over the model axis apart where bfloat16 "
+  "all-reduces their sum (524,288 bytes more per layer here, against 73,728 saved by the "
+  "float8 gathers): each float8 product is multiplied by its own layer's scales after the "
+  "product and before the sum (mpx/_src/ops/fp8.py), so XLA cannot add the partial products "
+  "before reducing them",
+)
+def test_fp8_moves_no_more_bytes_than_bfloat16_under_fsdp_with_tensor_parallelism():
+  bf16, _, _ = _compile("mixed_bfloat16", "fsdp_tp")
+  fp8, _, _ = _compile("mixed_float8", "fsdp_tp")
+  assert sum(fp8.values()) <= sum(bf16.values()), (fp8, bf16)
+
+
+# mixed_float8 under FSDP x TP gathers its weights in bfloat16 (docs/guide/multihost.md).
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
 def test_fsdp_with_tensor_parallelism_moves_activations_and_gradients_in_half_precision(policy):
   bytes_by, params, _ = _compile(policy, "fsdp_tp")
   param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
   half = "float16" if policy == "mixed_float16" else "bfloat16"
-  # No master or moment is gathered: the float32 gathers are a few small vectors. (Under
-  # mixed_float16 this fails today: see the test below.)
-  if policy != "mixed_float16":
-    assert bytes_by["all-gather", "float32"] < 0.01 * param_bytes, bytes_by
+  # No master or moment is gathered: the float32 gathers are the final norm's per-token
+  # rsqrt, 8 KiB, for the head's backward. (Under mixed_float16 they once read 155,648
+  # bytes: XLA had combined them with float16 activations into one all-gather, all of
+  # whose bytes the audit counted in its first operand's dtype.)
+  assert bytes_by["all-gather", "float32"] < 0.01 * param_bytes, bytes_by
   # Tensor parallelism reduces each fan-in layer's activations over the model axis, in
   # the compute dtype.
   assert bytes_by["all-reduce", half] > 50 * bytes_by["all-reduce", "float32"], bytes_by
@@ -174,13 +196,13 @@ def test_float32_accumulation_makes_the_gradient_reduce_scatter_float32():
   assert wide["all-gather", "bfloat16"] == half["all-gather", "bfloat16"], wide
 
 
-@pytest.mark.xfail(
-  strict=True,
-  reason="known regression: under Shardy, the custom-partitioned finite check of dynamic loss "
-  "scaling makes XLA all-gather a float32 activation of the final norm for the head's backward "
-  "(155,648 bytes here, 20,864 with the check before it); found 2026-11-28, not yet fixed",
-)
-def test_fsdp_with_tensor_parallelism_under_float16_gathers_no_float32_tensor():
-  bytes_by, params, _ = _compile("mixed_float16", "fsdp_tp")
-  param_bytes = 4 * sum(x.size for x in jax.tree.leaves(params))
-  assert bytes_by["all-gather", "float32"] < 0.01 * param_bytes, bytes_by
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_dynamic_loss_scaling_adds_one_scalar_all_reduce_and_no_other_byte(layout):
+  # The finite check reduces each device's shards where they lie and joins them with one
+  # int32 all-reduce: every other collective of the float16 step, by kind and dtype, moves
+  # the bytes it moves without loss scaling.
+  scaled, _, _ = _compile("mixed_float16", layout)
+  unscaled, _, _ = _compile("mixed_float16", layout, loss_scale=None)
+  added = scaled - unscaled
+  assert added == {("all-reduce", "int32"): 4}, (scaled, unscaled)
+  assert not unscaled - scaled, (scaled, unscaled)

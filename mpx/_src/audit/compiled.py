@@ -403,16 +403,17 @@ def kernels(text: str) -> list[dict[str, Any]]:
   return out
 
 
-def collectives(text: str) -> list[dict[str, Any]]:
-  """Every collective of a compiled program, with its dtype and the bytes each device sends.
+def collectives_by_instruction(text: str) -> list[tuple[dict[str, Any], list[dict[str, Any]]]]:
+  """Each collective instruction of a compiled program, with :func:`collectives`' dicts for it.
+
+  XLA's combiners join collectives into one instruction of several operands, of several dtypes
+  at times: such an instruction has one dict per dtype, with its operands of that dtype's bytes.
 
   Args:
     text: ``compiled.as_text()``.
 
   Returns:
-    One dict per collective: ``kind`` (``"all-reduce"``...), ``dtype``,
-    ``bytes`` (of its operands, per device and execution), ``count``,
-    ``op_name``.
+    ``(instruction, dicts)`` per collective instruction, in program order.
   """
   computations, _ = parse(text)
   out = []
@@ -422,14 +423,28 @@ def collectives(text: str) -> list[dict[str, Any]]:
       continue
     by_name = {i["name"]: i for i in computations[comp]}
     types = [by_name[o]["type"] for o in instr["operands"] if o in by_name]
-    found = arrays(" ".join(types)) or arrays(instr["type"])
-    out.append(
-      dict(
-        kind=kind,
-        dtype=found[0][0],
-        bytes=sum(nbytes(t) for t in types),
-        count=count,
-        op_name=instr["op_name"],
-      )
-    )
+    found = arrays(" ".join(types))
+    by_dtype = {dtype: 0 for dtype, _ in found or arrays(instr["type"])[:1]}
+    for dtype, shape in found:
+      by_dtype[dtype] += math.ceil(math.prod(shape) * dtype.itemsize)
+    parts = [
+      dict(kind=kind, dtype=dtype, bytes=b, count=count, op_name=instr["op_name"])
+      for dtype, b in by_dtype.items()
+    ]
+    out.append((instr, parts))
   return out
+
+
+def collectives(text: str) -> list[dict[str, Any]]:
+  """Every collective of a compiled program, with its dtype and the bytes each device sends.
+
+  Args:
+    text: ``compiled.as_text()``.
+
+  Returns:
+    One dict per collective and dtype it carries (see
+    :func:`collectives_by_instruction`): ``kind`` (``"all-reduce"``...),
+    ``dtype``, ``bytes`` (of its operands of that dtype, per device and
+    execution), ``count``, ``op_name``.
+  """
+  return [part for _, parts in collectives_by_instruction(text) for part in parts]

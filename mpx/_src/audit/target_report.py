@@ -136,8 +136,10 @@ class Collective:
   Attributes:
     kind: ``"all-reduce"``, ``"all-gather"``, ``"reduce-scatter"``,
       ``"all-to-all"``, ``"collective-permute"``.
-    dtype: the dtype it communicates.
-    bytes: its operands' bytes per device, per run (``count`` executions).
+    dtype: the dtype it communicates (a collective that XLA combined from
+      operands of several dtypes is listed once per dtype).
+    bytes: its operands' bytes of that dtype per device, per run (``count``
+      executions).
     count: executions per run.
     op_name: the JAX name stack it came from.
   """

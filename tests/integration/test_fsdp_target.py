@@ -151,9 +151,9 @@ def test_fp8_moves_fewer_bytes_than_bfloat16_under_fsdp():
   reason="known issue: in the backward of the MLP's gate and up layers (tensor parallel), "
   "fp8 all-reduces the two layers' input gradients over the model axis apart where bfloat16 "
   "all-reduces their sum (524,288 bytes more per layer here, against 73,728 saved by the "
-  "float8 gathers): each float8 product is multiplied by its own layer's scales after the "
-  "product and before the sum (mpx/_src/ops/fp8.py), so XLA cannot add the partial products "
-  "before reducing them",
+  "float8 gathers): each backward product is multiplied by its own layer's scales "
+  "(mpx/_src/ops/scaled_dot.py's _rescaled) between the product, which XLA all-reduces, and "
+  "the sum; without those multiplications the step moves fewer bytes than bfloat16's",
 )
 def test_fp8_moves_no_more_bytes_than_bfloat16_under_fsdp_with_tensor_parallelism():
   bf16, _, _ = _compile("mixed_bfloat16", "fsdp_tp")

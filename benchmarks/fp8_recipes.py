@@ -98,7 +98,7 @@ def block_row(policy: str, width: int) -> dict:
   with warnings.catch_warnings():
     warnings.simplefilter("ignore", mpx.PrecisionWarning)  # attention's products stay bfloat16
     report = mpx.audit(step, variables, x, target="h100")
-  roofline = deviceless.roofline(report, policy, "h100")
+  roofline = deviceless.roofline(report, policy)
   return {
     "policy": policy,
     "kernel_count": report.kernel_count,

@@ -65,6 +65,20 @@ def test_quantize_matches_ml_dtypes_with_saturation_subnormals_and_nan(dtype, ml
   assert q[x32 == np.float32(tiny * 1.5)].tolist() == [2 * tiny]  # a subnormal tie, to even
 
 
+@pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)
+@pytest.mark.parametrize("jit", [False, True])
+def test_quantize_keeps_the_sign_of_zeros_bitwise(dtype, ml_dtype, jit):
+  # E4M3FN saturates with no mask (clip minus (x - x)): -0 and values that round to -0
+  # must keep their sign bit, as ml_dtypes' rounding does.
+  x = np.array([-0.0, 0.0, -1e-30, 1e-30, -3.0, 1e6, -1e6, np.nan], np.float32)
+  quantize = functools.partial(quantize_lib.quantize, dtype=dtype, scale=jnp.float32(1.0))
+  q = (jax.jit(quantize) if jit else quantize)(jnp.asarray(x))
+  np.testing.assert_array_equal(
+    np.asarray(q).view(np.uint8)[:-1], _reference(x, ml_dtype).astype(ml_dtype).view(np.uint8)[:-1]
+  )
+  assert np.isnan(np.asarray(q.astype(jnp.float32))[-1])
+
+
 def test_infinities_follow_the_format():
   x = jnp.array([np.inf, -np.inf], jnp.float32)
   e4m3 = quantize_lib.quantize(x, jnp.float8_e4m3fn, jnp.float32(1.0)).astype(jnp.float32)
@@ -86,6 +100,41 @@ def test_scale_is_the_power_of_two_that_fits_the_amax(dtype, ml_dtype, margin):
   assert (amaxes / scales > limit / 2).all()  # the largest such scale: no bit wasted
   for bad in (0.0, np.inf, np.nan):
     assert float(quantize_lib.scale_for(jnp.float32(bad), dtype)) == 1.0
+
+
+# Rows longer than XLA's one-kernel reduction, trailing axes that make a row, an axis split
+# to bring the row count down (4096 rows), a prime one that cannot be (4099), a tensor of one
+# row, a prime size, a scalar, an empty tensor.
+AMAX_SHAPES = [(3, 40_000), (7, 5, 3000), (4096, 16, 64), (4099, 8), (2, 3, 4), (13,), (), (0, 4)]
+
+
+@pytest.mark.parametrize("margin", [0, 1])
+def test_per_tensor_scale_of_any_shape_is_the_scale_of_its_amax(margin):
+  rng = np.random.default_rng(5)
+  xs = []
+  for i, shape in enumerate(AMAX_SHAPES):
+    x = rng.standard_normal(shape).astype(np.float32)
+    if x.size:  # the largest magnitude anywhere, so that a missed row would show
+      x.flat[rng.integers(x.size)] = -(10.0 ** (i - 3)) * 3e3
+    xs.append(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32)))
+
+  @jax.jit
+  def scales(*xs):
+    return [
+      quantize_lib.tensor_scale(x.astype(jnp.bfloat16), jnp.float8_e4m3fn, margin=margin)
+      for x in xs
+    ]
+
+  for x, scale in zip(xs, scales(*xs), strict=True):
+    # An empty tensor gets the smallest scale, 2**-126, which represents its zeros.
+    want = 2.0**-126
+    if x.size:
+      amax = jnp.float32(np.abs(x).max())
+      want = float(quantize_lib.scale_for(amax, jnp.float8_e4m3fn, margin=margin))
+    assert scale.shape == () and float(scale) == want, (x.shape, float(scale), want)
+    if x.size:
+      partials = np.asarray(jax.jit(quantize_lib.partial_amaxes)(jnp.asarray(x)))
+      assert partials.max() == np.abs(x).max(), x.shape
 
 
 @pytest.mark.parametrize(("dtype", "ml_dtype"), FORMATS)

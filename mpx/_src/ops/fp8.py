@@ -32,10 +32,11 @@ from mpx._src.ops.amax_grad import fp8_max_grad
 from mpx._src.ops.quantize import (
   E4M3,
   E5M2,
-  amax,
   dequantize,
+  partial_amaxes,
   quantize,
   scale_dtype,
+  stacked_amaxes,
   tensor_scale,
 )
 from mpx._src.ops.scaled_dot import in_output_layout, scaled_dot, transposed_products
@@ -86,13 +87,15 @@ def _fp8_dot_fwd(
       _rowwise(rhs, E4M3, rc, recipe),
     )
   else:
-    histories = None if states is None else states[:2]
-    (lhs_scale, rhs_scale), amaxes = fp8_scaling.operand_scales(recipe, histories, (lhs, rhs), E4M3)
+    histories, g_history = (None, None) if states is None else (states[:2], states[2])
+    # The gradient's delayed scale, read here with the other two: one small kernel per
+    # layer rather than one per history.
+    scales, amaxes = fp8_scaling.operand_scales(
+      recipe, histories, (lhs, rhs), E4M3, gradient_history=g_history
+    )
+    lhs_scale, rhs_scale, *g_scales = scales
+    g_scale = g_scales[0] if g_scales else None
     lhs_q, rhs_q = quantize(lhs, E4M3, lhs_scale), quantize(rhs, E4M3, rhs_scale)
-    if states is not None:
-      # The gradient's delayed scale, read here with the other two: they fuse into one
-      # small kernel per layer rather than one per history.
-      g_scale = fp8_scaling.history_scale(states[2], E5M2, recipe)
   out = scaled_dot(lhs_q, lhs_scale, rhs_q, rhs_scale, dimension_numbers, precision, out_dtype)
   # The float8 operands are the residuals: a quarter of float32's bytes, and the
   # backward products take them as they are.
@@ -151,8 +154,9 @@ def _fp8_dot_bwd(
   )
   if states is None:
     return ga, gb, None
-  seen = [*amaxes, amax(g, recipe.axis_name)]
-  return ga, gb, tuple(fp8_scaling.observed(h, v) for h, v in zip(states, seen, strict=True))
+  # The three amaxes' second stage in one reduction (the operands' first, from the forward).
+  seen = stacked_amaxes([*amaxes, partial_amaxes(g)], recipe.axis_name)
+  return ga, gb, tuple(fp8_scaling.observed(h, v) for h, v in zip(states, list(seen), strict=True))
 
 
 def _kept(

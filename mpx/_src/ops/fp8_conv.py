@@ -57,7 +57,14 @@ import numpy as np
 
 from mpx._src.ops import fp8_scaling
 from mpx._src.ops.amax_grad import fp8_max_grad
-from mpx._src.ops.quantize import E4M3, E5M2, amax, dequantize, quantize
+from mpx._src.ops.quantize import (
+  E4M3,
+  E5M2,
+  dequantize,
+  partial_amaxes,
+  quantize,
+  stacked_amaxes,
+)
 from mpx._src.ops.scaled_dot import scaled_dot
 from mpx._src.recipe import Fp8Recipe
 
@@ -280,8 +287,9 @@ def _fp8_conv_bwd(
   dx, dw = dx.astype(dtypes[0]), dw.astype(dtypes[1])
   if states is None:
     return dx, dw, None
-  seen = [*amaxes, amax(g, recipe.axis_name)]
-  return dx, dw, tuple(fp8_scaling.observed(h, v) for h, v in zip(states, seen, strict=True))
+  # The three amaxes' second stage in one reduction (the operands' first, from the forward).
+  seen = stacked_amaxes([*amaxes, partial_amaxes(g)], recipe.axis_name)
+  return dx, dw, tuple(fp8_scaling.observed(h, v) for h, v in zip(states, list(seen), strict=True))
 
 
 _fp8_conv.defvjp(_fp8_conv_fwd, _fp8_conv_bwd)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from mpx._src import errors
 from mpx._src.ops.amax_grad import as_float32
-from mpx._src.ops.quantize import amax, scale_for, tensor_scale
+from mpx._src.ops.quantize import E5M2, partial_amaxes, scale_for, tensor_scale
 from mpx._src.recipe import Fp8Recipe
 
 
@@ -99,10 +99,30 @@ def history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Arra
   Returns:
     The float32 scale, one per history.
   """
-  committed = as_float32(history)[..., 1:]
+  return history_scales([history], [dtype], recipe)[0]
+
+
+def history_scales(
+  histories: Sequence[jax.Array], dtypes: Sequence[Any], recipe: Fp8Recipe
+) -> list[jax.Array]:
+  """:func:`history_scale` of several histories of one shape (a layer's), in one kernel.
+
+  Stacked, they share one small kernel; each on its own would be a kernel of
+  its own (XLA:GPU merges no independent scalar computations).
+
+  Args:
+    histories: histories of one shape.
+    dtypes: each one's float8 format.
+    recipe: the delayed recipe.
+
+  Returns:
+    One float32 scale (per stacked history) for each.
+  """
+  committed = jnp.stack([as_float32(h) for h in histories])[..., 1:]
   combine = jnp.maximum if recipe.reduction == "max" else _most_recent_recorded
   reference = _reduce_last_axis(committed, combine)
-  return scale_for(reference, dtype, margin=recipe.margin)
+  # Each scale from its own slice: a vector of scales, sliced, costs a kernel per slice.
+  return [scale_for(reference[i], dtype, margin=recipe.margin) for i, dtype in enumerate(dtypes)]
 
 
 def observed(history: jax.Array, value: jax.Array) -> jax.Array:
@@ -116,6 +136,8 @@ def operand_scales(
   histories: Sequence[jax.Array] | None,
   tensors: Sequence[jax.Array],
   dtype: Any,
+  *,
+  gradient_history: jax.Array | None = None,
 ) -> tuple[list[jax.Array], list[jax.Array] | None]:
   """Each tensor's per-tensor scale, and under delayed scaling the amax each observed.
 
@@ -124,15 +146,21 @@ def operand_scales(
     histories: the tensors' histories (delayed scaling), or ``None``.
     tensors: the tensors to quantise.
     dtype: their float8 format.
+    gradient_history: under delayed scaling, the gradient's history: its
+      E5M2 scale comes last in ``scales``, from the same kernel.
 
   Returns:
-    ``(scales, amaxes)``: the float32 scales, and the amaxes to record
-    (``None`` under current scaling).
+    ``(scales, amaxes)``: the float32 scales, and under delayed scaling the
+    first stage of the amaxes to record (:func:`partial_amaxes`; the
+    backward pass reduces them with the gradient's in one more kernel), or
+    ``None`` under current scaling.
   """
   if histories is None:
     scales = [
       tensor_scale(x, dtype, margin=recipe.margin, axis_name=recipe.axis_name) for x in tensors
     ]
     return scales, None
-  scales = [history_scale(h, dtype, recipe) for h in histories]
-  return scales, [amax(x, recipe.axis_name) for x in tensors]
+  dtypes = [dtype] * len(histories)
+  if gradient_history is not None:
+    histories, dtypes = [*histories, gradient_history], [*dtypes, E5M2]
+  return history_scales(histories, dtypes, recipe), [partial_amaxes(x) for x in tensors]

@@ -7,12 +7,15 @@ dividing and multiplying by them is exact.
 
 A scale is computed on float32 bits, not with ``frexp``/``ldexp``: exact, with
 no division, and a few integer operations that XLA fuses into one small kernel
-(or into the kernel that uses the scale) instead of several.
+(or into the kernel that uses the scale) instead of several. A per-tensor amax
+is reduced in two stages that mpx chooses (:func:`partial_amaxes`, then one
+more reduction), with the scale's arithmetic fused into the second.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,8 +108,10 @@ def tensor_scale(
   """``x``'s own power-of-two scale (current scaling), over ``axis`` (all axes by default).
 
   :func:`scale_for` of ``x``'s amax, computed on the amax's bits with no
-  select after it, which XLA:GPU runs in one small kernel after the
-  reduction (``frexp``, ``ldexp`` and the select made three). So it differs
+  select after it. Per tensor, it takes two kernels: the first stage of the
+  amax (:func:`partial_amaxes`), and one that reduces the scales of those
+  rows (the bits grow with the magnitude, so their max is the tensor's
+  scale; ``frexp``, ``ldexp`` and the select made three more). So it differs
   from :func:`scale_for` where the amax is zero (an empty or all-zero tensor:
   ``2**-126`` instead of 1, which represents zeros as exactly) or not finite
   (a meaningless scale instead of 1: the finite values beside a NaN or
@@ -124,18 +129,82 @@ def tensor_scale(
     A float32 scalar (``axis=None``), or an array of ``x``'s rank with size 1
     on the reduced axes.
   """
-  axes = tuple(range(x.ndim)) if axis is None else tuple(np.atleast_1d(axis).tolist())
-  keepdims = axis is not None
+  if axis is None:
+    # The scale's bits grow with the magnitude, so the largest of the rows' scales (or
+    # the elements', for a tensor of one row) is the tensor's: computed before the last
+    # max, they fuse into its kernel, where XLA:GPU fuses no arithmetic after a
+    # reduction to a scalar (a kernel of its own).
+    rows = jnp.abs(x).astype(jnp.float32) if 0 < x.size <= _ROW else partial_amaxes(x)
+    value = jnp.max(jax.lax.bitcast_convert_type(_scale_bits(rows, dtype, margin), jnp.float32))
+    return value if axis_name is None else jax.lax.pmax(value, axis_name)
+  axes = tuple(np.atleast_1d(axis).tolist())
   if all(x.shape[a] for a in axes):
     # The reduction stays a plain max: XLA fuses it into the pass that produces x.
     # (Each element's scale, reduced by max, gives the same scale with no kernel
     # after the reduction, but XLA:GPU then writes out the elements' bits, one more
     # pass over x: 9% more bytes for a 3072-wide MLP step.)
-    magnitude = jnp.max(jnp.abs(x), axis=axes, keepdims=keepdims).astype(jnp.float32)
+    magnitude = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32)
   else:  # nothing to reduce (an empty batch): zeros, which any scale represents
-    shape = [1 if a in axes else n for a, n in enumerate(x.shape)] if keepdims else []
-    magnitude = jnp.zeros(shape, jnp.float32)
+    magnitude = jnp.zeros([1 if a in axes else n for a, n in enumerate(x.shape)], jnp.float32)
   value = jax.lax.bitcast_convert_type(_scale_bits(magnitude, dtype, margin), jnp.float32)
+  return value if axis_name is None else jax.lax.pmax(value, axis_name)
+
+
+# The longest row XLA:GPU reduces in one kernel: a longer row, or a whole tensor, it splits into
+# two kernels (a tree reduction). Measured on the H100 target (jaxlib 0.10), as is _PARTIALS.
+_ROW = 16384
+# Up to this many partial amaxes, an elementwise function of them fuses into the kernel
+# that reduces them; more, and XLA:GPU writes the function's values out in a kernel first.
+_PARTIALS = 3072
+
+
+def partial_amaxes(x: jax.Array) -> jax.Array:
+  """The first of the two stages of ``x``'s amax: the largest magnitudes of rows of ``x``.
+
+  A row is the trailing axes, the first of them split if needed, so that it
+  holds at most ``_ROW`` elements and XLA:GPU reduces each in one kernel,
+  fused into the one that produces ``x`` where it can. Only that one axis is
+  reshaped: merging axes would transpose a tensor laid out in another order
+  (attention's heads) first.
+
+  Args:
+    x: a floating array.
+
+  Returns:
+    A float32 vector (one 0 if ``x`` has no elements) whose max is ``x``'s amax.
+  """
+  if not x.size:
+    return jnp.zeros((1,), jnp.float32)
+  shape = list(x.shape) or [1]
+  kept = len(shape) - 1
+  while kept > 0 and math.prod(shape[kept - 1 :]) <= _ROW:
+    kept -= 1
+  count, row = math.prod(shape[:kept]), math.prod(shape[kept:])
+  if count > _PARTIALS:
+    # Move the least of the last kept axis into the rows that brings the count within
+    # _PARTIALS: splitting one axis is a bitcast in any layout.
+    n = shape[kept - 1]
+    fits = [m for m in range(2, n + 1) if n % m == 0 and count // m <= _PARTIALS]
+    if fits and fits[0] * row <= _ROW:
+      shape[kept - 1 : kept] = [n // fits[0], fits[0]]
+  rows = jnp.max(jnp.abs(x).reshape(shape), axis=tuple(range(kept, len(shape))))
+  return rows.reshape(-1).astype(jnp.float32)
+
+
+def stacked_amaxes(partials: Sequence[jax.Array], axis_name: str | None = None) -> jax.Array:
+  """The amaxes of several tensors from their :func:`partial_amaxes`, in one reduction.
+
+  Args:
+    partials: each tensor's partial amaxes.
+    axis_name: a named axis to ``pmax`` over (one collective for all), or ``None``.
+
+  Returns:
+    A float32 vector, one amax per tensor.
+  """
+  # Magnitudes are non-negative: zero padding leaves each max as it is.
+  longest = max(p.shape[0] for p in partials)
+  rows = jnp.stack([jnp.pad(p, (0, longest - p.shape[0])) for p in partials])
+  value = jnp.max(rows, axis=1)
   return value if axis_name is None else jax.lax.pmax(value, axis_name)
 
 
@@ -156,7 +225,17 @@ def quantize(x: jax.Array, dtype: Any, scale: jax.Array) -> jax.Array:
   wide = scale_dtype(x.dtype)
   limit = jnp.asarray(fp8_max(dtype), wide)
   scaled = x.astype(wide) / scale.astype(wide)
-  clamped = jnp.where(jnp.isfinite(scaled), jnp.clip(scaled, -limit, limit), scaled)
+  saturated = jnp.clip(scaled, -limit, limit)
+  if np.isnan(np.float32(np.inf).astype(dtype)) and np.size(scale) == 1:
+    # A format with no infinity (E4M3FN): ``scaled - scaled`` is +0 for a finite value
+    # (``a - +0`` is ``a``, signed zeros too) and NaN for an infinity or a NaN, which
+    # the format gives them. No mask: XLA:GPU wrote a select's mask out in a pass of
+    # its own when the quantisation also transposes (a kernel's float8 copy: 7% of a
+    # 3072-wide MLP step's bytes). Per-row scales keep the select: without it XLA
+    # planned 4% more temp memory for the rowwise MLP step (0.77x bfloat16's).
+    clamped = saturated - (scaled - scaled)
+  else:
+    clamped = jnp.where(jnp.isfinite(scaled), saturated, scaled)
   return clamped.astype(dtype)
 
 

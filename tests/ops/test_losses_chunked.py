@@ -94,14 +94,21 @@ def test_against_float64(dtype, chunk_size):
     assert np.all(err <= tol), np.max(err / tol)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)])
-def test_the_unfused_loss_on_the_same_logits(dtype):
+@pytest.mark.parametrize(
+  ("dtype", "where"),
+  [(jnp.bfloat16, True), pytest.param(jnp.float16, False, marks=pytest.mark.slow)],
+)
+def test_the_unfused_loss_on_the_same_logits(dtype, where):
   features, kernel, labels, cotangent = _problem(dtype, batch=(4, 12), seed=1)
+  kwargs = {"where": jnp.arange(48).reshape(4, 12) % 5 != 0} if where else {}
   got = _loss_and_grads(
-    lambda f, k: head_xent(f, k, labels, chunk_size=64), features, kernel, cotangent
+    lambda f, k: head_xent(f, k, labels, chunk_size=64, **kwargs), features, kernel, cotangent
   )
-  want = _loss_and_grads(lambda f, k: _unfused(f, k, labels), features, kernel, cotangent)
+  want = _loss_and_grads(lambda f, k: _unfused(f, k, labels, **kwargs), features, kernel, cotangent)
   assert got[0].shape == labels.shape
+  if where:  # excluded examples: no loss, no gradient
+    excluded = ~kwargs["where"]
+    assert np.all(np.asarray(got[0])[excluded] == 0) and np.all(_f64(got[1])[excluded] == 0)
   np.testing.assert_allclose(got[0], want[0], rtol=2**-20, atol=0)
   # The logit gradients agree to float32 rounding before the one rounding to the dtype, so the
   # two differ by an ulp at most where float32 arithmetic straddles a rounding boundary.
@@ -112,6 +119,7 @@ def test_the_unfused_loss_on_the_same_logits(dtype):
     assert np.mean(mine == theirs) > 0.9
 
 
+@pytest.mark.slow  # where's fast representative: the comparison with the unfused loss
 def test_where_drops_examples_and_their_gradients():
   features, kernel, labels, cotangent = _problem(jnp.bfloat16)
   keep = jnp.arange(TOKENS) % 3 != 0

@@ -31,18 +31,15 @@ def _columns(kernel: jax.Array, i: jax.Array, chunk: int) -> jax.Array:
 
 
 def _chunk_logits(features: jax.Array, columns: jax.Array) -> jax.Array:
-  """A chunk's logits, ``[tokens, chunk]``: the head's product, widened to float32.
+  """A chunk's logits, ``[tokens, chunk]``, as the head writes them, widened to float32.
 
-  The product accumulates in float32 (asked for, not left to the backend) and
-  is rounded to the compute dtype, as the unfused head's GEMM writes it. The
-  reduced precision keeps that rounding where XLA drops a narrowing followed
-  by a widening: on a CPU, which multiplies half precision in float32, it
-  does, and the logits would silently be float32 products.
+  The product accumulates in float32 (asked for, not left to the backend: a
+  CPU may multiply half precision in another order or width) and is rounded
+  to the compute dtype: an H100's GEMM writes the chunk in that dtype.
   """
   wide = dtypes_lib.at_least_float32(features.dtype)
   logits = jnp.dot(features, columns, preferred_element_type=wide).astype(features.dtype)
-  info = jnp.finfo(features.dtype)
-  return jax.lax.reduce_precision(logits.astype(wide), info.nexp, info.nmant)
+  return logits.astype(wide)
 
 
 def _classes(i: jax.Array, chunk: int) -> jax.Array:
@@ -97,6 +94,7 @@ def _head_cross_entropy_fwd(features, kernel, labels, keep, vocab, chunk):
 
 
 def _head_cross_entropy_bwd(vocab, chunk, res, g):
+  del vocab  # the padded classes are harmless here (see below)
   features, kernel, labels, keep, amax, sumexp = res
   g = jnp.where(keep, g, jnp.zeros((), g.dtype)).astype(sumexp.dtype)[:, None]
   amax, scale = amax[:, None], g / sumexp[:, None]
@@ -110,7 +108,9 @@ def _head_cross_entropy_bwd(vocab, chunk, res, g):
     # probabilities carry no error from the log-normaliser's magnitude. The label's -g after.
     grad = jnp.exp(x - amax) * scale
     grad = jnp.where(classes == labels[:, None], grad - g, grad)
-    grad = jnp.where(classes < vocab, grad, jnp.zeros((), grad.dtype)).astype(features.dtype)
+    # The padding's gradients need no mask: its kernel columns are zeros, so they add nothing
+    # to the features' gradient, and the pad's own VJP drops their columns of the kernel's.
+    grad = grad.astype(features.dtype)
     d_features = d_features + jnp.dot(grad, columns.T, preferred_element_type=d_features.dtype)
     d_columns = jnp.dot(features.T, grad)
     return d_features, jax.lax.dynamic_update_slice_in_dim(d_kernel, d_columns, i * chunk, axis=1)

@@ -545,14 +545,14 @@ def test_delayed_state_gradient_is_the_observed_amax():
 def test_delayed_scale_reduces_the_history(reduction, margin, expected_amax):
   recipe = mpx.Fp8Recipe("delayed", history_length=3, reduction=reduction, margin=margin)
   history = jnp.array([5e4, 100.0, 1000.0, 10.0])  # the pending slot is never read
-  scale = fp8_scaling.history_scale(history, quantize_lib.E4M3, recipe)
+  scale = fp8_scaling.history_scales([history], [quantize_lib.E4M3], recipe)[0]
   assert float(scale) == float(
     quantize_lib.scale_for(jnp.float32(expected_amax), quantize_lib.E4M3)
   )
   with_margin = dataclasses.replace(recipe, margin=2)
-  assert float(fp8_scaling.history_scale(history, quantize_lib.E4M3, with_margin)) == 4 * float(
-    scale
-  )
+  assert float(
+    fp8_scaling.history_scales([history], [quantize_lib.E4M3], with_margin)[0]
+  ) == 4 * float(scale)
 
 
 def test_delayed_scale_ignores_the_current_tensor():
@@ -662,9 +662,11 @@ def test_an_empty_batch_runs_every_recipe_and_records_nothing(scaling):
     for reduction in ("max", "most_recent"):
       r = dataclasses.replace(recipe, reduction=reduction)
       for old, new in ((before[0], after[0]), (before[2], after[2])):
-        old_scale = fp8_scaling.history_scale(old, quantize_lib.E4M3, r)
-        assert float(fp8_scaling.history_scale(new, quantize_lib.E4M3, r)) == float(old_scale)
-    assert float(fp8_scaling.history_scale(empty[0], quantize_lib.E4M3, recipe)) == 1.0
+        old_scale = fp8_scaling.history_scales([old], [quantize_lib.E4M3], r)[0]
+        assert float(fp8_scaling.history_scales([new], [quantize_lib.E4M3], r)[0]) == float(
+          old_scale
+        )
+    assert float(fp8_scaling.history_scales([empty[0]], [quantize_lib.E4M3], recipe)[0]) == 1.0
 
 
 @pytest.mark.parametrize("commit", all_but([True, False], True))
@@ -683,11 +685,12 @@ def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   np.testing.assert_array_equal(np.asarray(out).reshape(6, 5), np.stack(per_layer))
   recipe = mpx.Fp8Recipe("delayed", history_length=4)
   assert fp8_scaling.init_history(recipe, batch_shape=(3, 2)).shape == stacked.shape
-  scales = jax.vmap(jax.vmap(lambda h: fp8_scaling.history_scale(h, quantize_lib.E4M3, recipe)))(
-    stacked
-  )
+  scales = jax.vmap(
+    jax.vmap(lambda h: fp8_scaling.history_scales([h], [quantize_lib.E4M3], recipe)[0])
+  )(stacked)
   np.testing.assert_array_equal(
-    np.asarray(fp8_scaling.history_scale(stacked, quantize_lib.E4M3, recipe)), np.asarray(scales)
+    np.asarray(fp8_scaling.history_scales([stacked], [quantize_lib.E4M3], recipe)[0]),
+    np.asarray(scales),
   )
 
 

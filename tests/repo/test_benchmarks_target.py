@@ -1,4 +1,4 @@
-"""Tests of the GPU-target benchmarks: ``run.py --target`` and ``loss_scale_kernels.py``.
+"""Tests of the GPU-target benchmarks: ``run.py --target``, ``loss_scale_kernels.py`` and others.
 
 The table of ``deviceless.py`` on made-up rows, the
 docs section rendered from the committed results, and ``--target h100
@@ -186,6 +186,19 @@ def test_fp8_recipes_smoke(tmp_path):
     else:
       assert row["fp8_flops_share"] == 1.0 and not row["lost"], row
   assert "no autotuning" in proc.stdout and "| mixed_mxfp8 | b200 |" in proc.stdout
+
+
+@needs_plugin
+def test_chunked_xent_smoke(tmp_path):
+  """``chunked_xent.py --smoke``: the unfused and the chunked head loss on the H100 program."""
+  out = tmp_path / "chunked_xent_smoke.json"
+  proc = _smoke("chunked_xent.py", "--out", str(out))
+  report = json.loads(out.read_text())
+  assert report["command"].startswith("JAX_PLATFORMS=cpu python benchmarks/chunked_xent.py")
+  assert [row["loss"] for row in report["rows"]] == ["unfused", "chunked"], report["rows"]
+  for row in report["rows"]:
+    assert row["kernels"] > 0 and row["gb_moved"] > 0 and row["temp_mib"] >= 0, row
+  assert "no autotuning" in proc.stdout
 
 
 # ------------------------------------------------------------- scaling_plan.py

@@ -252,7 +252,7 @@ def _fp8_conv_fwd(
   # docstring); the kernel is small, so it is rounded a second time, from itself.
   (w5_scale,), _ = fp8_scaling.operand_scales(recipe, kernel_history, [w], E5M2)
   w5 = quantize(w, E5M2, w5_scale)
-  g_scale = None if states is None else fp8_scaling.history_scale(states[2], E5M2, recipe)
+  g_scale = None if states is None else fp8_scaling.history_scales([states[2]], [E5M2], recipe)[0]
   # The float8 operands are the residuals, as for the dot: the backward products take them as they are.
   return out, (xq, wq, x_scale, w_scale, w5, w5_scale, g_scale, amaxes, states)
 

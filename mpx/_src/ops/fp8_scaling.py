@@ -83,40 +83,26 @@ def _most_recent_recorded(newer: jax.Array, older: jax.Array) -> jax.Array:
   return jnp.where(newer > 0, newer, older)
 
 
-def history_scale(history: jax.Array, dtype: Any, recipe: Fp8Recipe) -> jax.Array:
-  """The delayed scale from ``[pending, most recent, ..., oldest]``: 1 while nothing is committed.
-
-  It depends on the history alone, never on the tensor being quantised, so
-  the quantisation need not wait for that tensor's amax. Zero entries (steps
-  that saw an empty or all-zero tensor) do not count: ``most_recent`` takes
-  the most recent non-zero amax.
-
-  Args:
-    history: one history, or histories stacked along leading axes.
-    dtype: the float8 format.
-    recipe: the delayed recipe (its reduction and margin).
-
-  Returns:
-    The float32 scale, one per history.
-  """
-  return history_scales([history], [dtype], recipe)[0]
-
-
 def history_scales(
   histories: Sequence[jax.Array], dtypes: Sequence[Any], recipe: Fp8Recipe
 ) -> list[jax.Array]:
-  """:func:`history_scale` of several histories of one shape (a layer's), in one kernel.
+  """The delayed scales from histories ``[pending, most recent, ..., oldest]``: 1 while none committed.
 
-  Stacked, they share one small kernel; each on its own would be a kernel of
-  its own (XLA:GPU merges no independent scalar computations).
+  A scale depends on its history alone, never on the tensor being quantised,
+  so the quantisation need not wait for that tensor's amax. Zero entries
+  (steps that saw an empty or all-zero tensor) do not count: ``most_recent``
+  takes the most recent non-zero amax. Histories of one shape (a layer's) are
+  stacked and share one small kernel; each on its own would be a kernel of its
+  own (XLA:GPU merges no independent scalar computations).
 
   Args:
-    histories: histories of one shape.
+    histories: histories of one shape, each one history or histories stacked
+      along leading axes.
     dtypes: each one's float8 format.
-    recipe: the delayed recipe.
+    recipe: the delayed recipe (its reduction and margin).
 
   Returns:
-    One float32 scale (per stacked history) for each.
+    For each history, its float32 scale (one per stacked history).
   """
   committed = jnp.stack([as_float32(h) for h in histories])[..., 1:]
   combine = jnp.maximum if recipe.reduction == "max" else _most_recent_recorded

@@ -670,6 +670,33 @@ def test_an_empty_batch_runs_every_recipe_and_records_nothing(scaling):
 
 
 @pytest.mark.parametrize("commit", all_but([True, False], True))
+def test_histories_updated_together_match_each_updated_alone(commit):
+  # update_fp8_state stacks the histories of one shape into one update: the result of
+  # each is that of its update alone, whatever else the tree holds (a non-finite amax,
+  # other lengths, nn.scan's stacked layers).
+  rng = np.random.default_rng(9)
+  shapes = [(2,), (5,), (5,), (5,), (3, 5), (5,), (2,)]
+  state = [jnp.asarray(rng.uniform(0, 10, s), jnp.float32) for s in shapes]
+  observed = [jnp.zeros_like(h).at[..., 0].set(rng.uniform(0, 20, h.shape[:-1])) for h in state]
+  observed[2] = observed[2].at[0].set(jnp.inf)
+
+  def alone(h, o):  # the documented rule, in NumPy
+    h, seen = np.asarray(h), np.asarray(o)[..., 0]
+    pending = np.where(np.isfinite(seen), np.maximum(h[..., 0], seen), h[..., 0])[..., None]
+    if commit:
+      return np.concatenate([np.zeros_like(pending), pending, h[..., 1:-1]], axis=-1)
+    return np.concatenate([pending, h[..., 1:]], axis=-1)
+
+  together = jax.jit(mpx.fp8.update_fp8_state)(state, observed, commit=commit)
+  for new, h, o in zip(together, state, observed, strict=True):
+    assert new.shape == h.shape and new.dtype == h.dtype
+    np.testing.assert_array_equal(np.asarray(new), alone(h, o))
+  np.testing.assert_array_equal(
+    np.asarray(together[2]), np.asarray(state[2]) if not commit else [0.0, *state[2][:-1]]
+  )
+
+
+@pytest.mark.parametrize("commit", all_but([True, False], True))
 def test_update_of_stacked_histories_matches_the_per_layer_update(commit):
   # nn.scan(variable_axes={"fp8_history": 0}) and nnx.vmap stack one history per layer.
   rng = np.random.default_rng(5)

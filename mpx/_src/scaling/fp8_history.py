@@ -23,8 +23,12 @@ def _update_history(history: jax.Array, observed: jax.Array, commit: jax.Array) 
   # A non-finite amax (an overflow the loss scale will skip) would make every delayed
   # scale built on it fall back to 1 for history_length steps.
   pending = jnp.where(jnp.isfinite(seen), jnp.maximum(history[..., :1], seen), history[..., :1])
-  committed = jnp.concatenate([jnp.zeros_like(pending), pending, history[..., 1:-1]], axis=-1)
-  return jnp.where(commit, committed, history.at[..., :1].set(pending))
+  # Elementwise over the slots (a shift, not a concatenation), so that XLA can update many
+  # histories stacked together in one kernel (see update_fp8_state).
+  slot = jax.lax.broadcasted_iota(jnp.int32, history.shape, history.ndim - 1)
+  shifted = jnp.pad(history[..., :-1], [(0, 0)] * (history.ndim - 1) + [(1, 0)])
+  committed = jnp.where(slot == 1, pending, shifted)
+  return jnp.where(commit, committed, jnp.where(slot == 0, pending, history))
 
 
 def update_fp8_state(
@@ -87,9 +91,21 @@ def update_fp8_state(
     )
   else:
     commit, skipped = _step_outcome(opt_state)
-  return jax.tree.map(
-    lambda h, o: jnp.where(skipped, h, _update_history(h, o, commit)), state, observed
-  )
+  histories, treedef = jax.tree.flatten(state)
+  seen = treedef.flatten_up_to(observed)
+  # The histories of one shape are stacked and updated together: one kernel where XLA
+  # launches one per history otherwise (18 for a GPT-2 block's six layers).
+  groups: dict[tuple[Any, ...], list[int]] = {}
+  for i, history in enumerate(histories):
+    groups.setdefault((history.shape, history.dtype), []).append(i)
+  updated = list(histories)
+  for members in groups.values():
+    stacked = jnp.stack([histories[i] for i in members])
+    new = _update_history(stacked, jnp.stack([seen[i] for i in members]), commit)
+    new = jnp.where(skipped, stacked, new)
+    for k, i in enumerate(members):
+      updated[i] = new[k]
+  return jax.tree.unflatten(treedef, updated)
 
 
 def _is_multisteps(node: Any) -> bool:
